@@ -1,0 +1,216 @@
+"""bench.py: the measurements behind BENCHMARKS.md. Not needed to train; `bash run.sh bench ...` drives it.
+
+    torchrun --nproc_per_node N bench.py standalone OUT.json <grpo_colocate flags>
+        vLLM alone (no trainer, no sleep) on exactly the requests the trainer's first steps generate
+    torchrun --nproc_per_node 1 bench.py sleep OUT.json <grpo_colocate flags>
+        sleep(1) / sleep(2): GPU memory freed and the time to sleep and wake; then one real GRPO step and a
+        level-2 wake WITHOUT the weight push, which the parity check must reject
+    python bench.py make-model SHAPE DIR TOKENIZER_DIR      random-init model of a real shape (qwen2.5-1.5b, ...)
+    python bench.py pad-heads SRC TP                        SmolLM2 with zero-padded heads, so tp=2/4 can split it
+    python bench.py summarize NAME METRICS.jsonl STANDALONE.json [SKIP]   one BENCHMARKS.md row (median of steps)
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import grpo_colocate as gc
+
+SHAPES = {  # public configs of real models; the weights are random (mechanics and speed only)
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                         num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def make_model(shape, out, tokenizer_dir):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params -> {out}")
+
+
+def pad_heads(src, tp):
+    """SmolLM2-135M has 9 query / 3 KV heads, which tp=2 or 4 cannot split. Pad the KV heads (with their query
+    heads) with zero heads and zero o_proj columns up to a multiple of tp: the padded heads add exactly nothing."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    d, g = cfg.get("head_dim") or cfg["hidden_size"] // h, h // kv
+    extra = -(-kv // tp) * tp - kv
+    dst = f"{src}-padded-tp{tp}"
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    for k, w in sd.items():
+        if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+            sd[k] = torch.cat([w, w.new_zeros(extra * d * (g if "q_proj" in k else 1), w.shape[1])])
+        elif k.endswith("o_proj.weight"):
+            sd[k] = torch.cat([w, w.new_zeros(w.shape[0], extra * d * g)], 1)
+    os.makedirs(dst, exist_ok=True)
+    save_file(sd, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    for f in os.listdir(src):
+        if f not in ("model.safetensors", "config.json"):
+            with open(os.path.join(src, f), "rb") as a, open(os.path.join(dst, f), "wb") as b:
+                b.write(a.read())
+    cfg.update(num_attention_heads=(kv + extra) * g, num_key_value_heads=kv + extra, head_dim=d)
+    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
+    print(dst)
+
+
+def setup(argv):
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = gc.parse_args(argv)
+    env = gc.setup_distributed(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    rows = gc.tokenize_rows(gc.load_rows(cfg)[0], tokenizer, cfg.max_prompt_length, "training", env)
+    return cfg, env, tokenizer, rows, AutoConfig.from_pretrained(cfg.model)
+
+
+def standalone(out, argv, iterations=6):
+    """The trainer's generate phase without the trainer: same engine settings, same requests, same seeds."""
+    cfg, env, tokenizer, rows, model_config = setup([*argv, "--vllm_enable_sleep_mode", "false"])
+    llm = gc.make_engine(cfg, env, model_config)
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
+    results = []
+    for gen_index in range(iterations):
+        mine = gc.rows_for_step(rows, gen_index, env.rank, env.world, per_rank, cfg.seed)
+        torch.manual_seed(gc.derive_seed(cfg.seed, "rollout", gen_index, env.engine_index))
+        params = gc.sampling_params(cfg, logprobs=cfg.vllm_importance_sampling_correction)
+        dist.barrier()
+        start = time.perf_counter()
+        outputs = gc.generate(llm, env, [r["prompt_ids"] for r in mine], params)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        totals = torch.tensor([tokens, seconds], dtype=torch.float64, device=env.device)
+        slowest = totals.clone()
+        dist.all_reduce(totals)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        results.append({"tokens": totals[0].item(), "seconds": slowest[1].item(),
+                        "tokens_per_sec_per_gpu": totals[0].item() / env.world / slowest[1].item()})
+    warm = results[1:]  # the first call warms up
+    summary = {"tokens_per_sec_per_gpu": statistics.median(r["tokens_per_sec_per_gpu"] for r in warm),
+               "seconds": statistics.median(r["seconds"] for r in warm), "iterations": results}
+    if env.is_main:
+        json.dump(summary, open(out, "w"), indent=1)
+        print(f"standalone vLLM: {summary['tokens_per_sec_per_gpu']:.0f} tok/s/GPU, "
+              f"{summary['seconds']:.3f} s per generation batch")
+    del llm
+    dist.destroy_process_group()
+
+
+def sleep_bench(out, argv):
+    """Sleep levels measured, then the trained-weights proof: one real GRPO step, a level-2 sleep and a wake
+    with the push skipped (the parity check must fail), then the push (it must pass)."""
+    cfg, env, tokenizer, rows, model_config = setup([*argv, "--vllm_enable_sleep_mode", "true"])
+    llm = gc.make_engine(cfg, env, model_config)
+
+    def free_gib():
+        torch.cuda.synchronize()
+        return torch.cuda.mem_get_info()[0] / 2**30
+
+    def timed(fn):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    report = {"gpu": torch.cuda.get_device_name(), "free_gib_engine_awake": free_gib()}
+    for level in (1, 2):
+        before = free_gib()
+        t_sleep = timed(lambda: llm.sleep(level=level))
+        after = free_gib()
+        t_weights = timed(lambda: llm.wake_up(tags=["weights"]))
+        t_kv = timed(lambda: llm.wake_up(tags=["kv_cache"]))
+        report[f"level{level}"] = {"free_gib_before": before, "free_gib_asleep": after, "freed_gib": after - before,
+                                   "sleep_s": t_sleep, "wake_weights_s": t_weights, "wake_kv_s": t_kv}
+        print(f"sleep({level}): free {before:.1f} -> {after:.1f} GiB in {t_sleep:.3f}s; wake weights "
+              f"{t_weights:.3f}s + kv {t_kv:.3f}s", flush=True)
+
+    # one real GRPO step, exactly as the trainer does it
+    lm = gc.load_lm(cfg.model, env)
+    policy = gc.wrap_policy(lm, env)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
+    funcs, weights = gc.load_reward_funcs(cfg)
+    probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
+    ledger = {}
+    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0)["parity_gap"]
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
+    batch = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 0, 0, 1, per_rank, cfg.seed), funcs,
+                       weights, 0, ledger)
+    llm.sleep(level=2)
+    gc.train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
+    torch.cuda.empty_cache()
+    llm.wake_up(tags=["weights"])  # ...and NO push: the engine's weights were discarded by the level-2 sleep
+    llm.wake_up(tags=["kv_cache"])
+    llm.reset_prefix_cache()
+    gap = gc.parity_gap(llm, policy, probe, env)
+    report["parity_gap_level2_wake_without_push"] = gap
+    report["skipped_push_caught"] = not gap <= gc.parity_tolerance(env.dtype)
+    llm.sleep(level=2)
+    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1)["parity_gap"]
+    report["push_s"] = ledger["push"] / 2
+    print(json.dumps(report, indent=1), flush=True)
+    json.dump(report, open(out, "w"), indent=1)
+    del llm
+    dist.destroy_process_group()
+
+
+def summarize(name, metrics_path, standalone_path, skip=2):
+    steps = [json.loads(line) for line in open(metrics_path)]
+    steps = [m for m in steps if "reward" in m][skip:]  # warm-up steps out
+
+    def med(key):
+        values = [m[key] for m in steps if key in m]
+        return statistics.median(values) if values else 0.0
+    alone = json.load(open(standalone_path))
+    step = med("time/step")
+    phases = ["generate", "reward", "logprobs", "train", "optimizer", "push", "sleep", "parity"]
+    split = {p: med(f"time/{p}") for p in phases}
+    colocation = split["push"] + split["sleep"] + split["parity"]
+    other = step - split["generate"] - split["train"] - split["optimizer"] - split["logprobs"]
+    row = {
+        "name": name, "steps": len(steps), "step_s": step, **{f"{p}_s": v for p, v in split.items()},
+        "tok_s_gpu": med("tokens_per_sec_per_gpu"), "gen_tok_s_gpu": med("generate_tokens_per_sec_per_gpu"),
+        "standalone_tok_s_gpu": alone["tokens_per_sec_per_gpu"],
+        "generate_vs_standalone": med("generate_tokens_per_sec_per_gpu") / alone["tokens_per_sec_per_gpu"],
+        "colocation_overhead": colocation / step, "not_generate_or_train": other / step,
+        "mfu": med("mfu"), "peak_alloc_gib": max(m.get("memory/peak_allocated_gib", 0) for m in steps),
+        "device_used_gib": max(m.get("memory/device_used_gib", 0) for m in steps),
+    }
+    print("| " + " | ".join([
+        name, f"{step:.3f}", " / ".join(f"{split[p]:.3f}" for p in phases), f"{row['tok_s_gpu']:.0f}",
+        f"{row['gen_tok_s_gpu']:.0f} / {row['standalone_tok_s_gpu']:.0f} = {100 * row['generate_vs_standalone']:.0f}%",
+        f"{100 * row['colocation_overhead']:.1f}%", f"{100 * row['not_generate_or_train']:.1f}%",
+        f"{100 * row['mfu']:.1f}%", f"{row['peak_alloc_gib']:.1f} / {row['device_used_gib']:.1f}"]) + " |")
+    print("ROW " + json.dumps(row))
+
+
+if __name__ == "__main__":
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "standalone":
+        standalone(args[0], args[1:])
+    elif command == "sleep":
+        sleep_bench(args[0], args[1:])
+    elif command == "make-model":
+        make_model(*args)
+    elif command == "pad-heads":
+        pad_heads(args[0], int(args[1]))
+    elif command == "summarize":
+        summarize(args[0], args[1], args[2], *(int(a) for a in args[3:]))
+    else:
+        sys.exit(__doc__)

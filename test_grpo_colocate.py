@@ -1,0 +1,500 @@
+"""Tests for grpo_colocate.py, all on the CPU: `bash run.sh test`.
+
+1. Pure functions against values computed by hand: advantages, every loss normalisation, clipping on both sides,
+   masks, the KL term, the importance weights, chunked logprobs, the Policy forward, data order, reward functions.
+2. The TP prompt gather/slice with 4 real gloo processes (tp=2).
+3. End to end with the REAL vLLM engine and the REAL embedded SmolLM2-135M-Instruct (torchrun, 2 ranks), the
+   resume of that run, and tp=2 on a tiny random Llama (SmolLM2's 9 heads only split for tp in {1, 3}).
+No mocks of vLLM or the model in the end-to-end tests.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import grpo_colocate as gc
+import reward_fns as rf
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODEL = gc.DEFAULT_MODEL
+
+
+def close(a, b, tol=1e-5):
+    return abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b)))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# compute_advantages
+# ------------------------------------------------------------------------------------------------------------
+
+REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])  # two groups of G = 4
+
+
+def test_advantages_group():
+    # group 0: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = sqrt(1/3); group 1: constant -> 0
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-4)
+    expected = [a, -a, -a, a, 0, 0, 0, 0]
+    got = gc.compute_advantages(REWARDS, 4, "group")
+    assert all(close(g, e) for g, e in zip(got.tolist(), expected))
+
+
+def test_advantages_batch():
+    # batch: mean 1.25, squared deviations 0.0625 + 1.5625 + 1.5625 + 0.0625 + 4 * 0.5625 = 5.5, var 5.5 / 7
+    a = 0.5 / (math.sqrt(5.5 / 7) + 1e-4)
+    expected = [a, -a, -a, a, 0, 0, 0, 0]
+    got = gc.compute_advantages(REWARDS, 4, "batch")
+    assert all(close(g, e) for g, e in zip(got.tolist(), expected))
+
+
+def test_advantages_none():
+    assert gc.compute_advantages(REWARDS, 4, "none").tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+
+
+def test_advantages_bad_scale():
+    with pytest.raises(ValueError):
+        gc.compute_advantages(REWARDS, 4, "global")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# grpo_loss: B = 2 sequences, T = 3 tokens, the last token of row 1 masked.
+# ratios r = exp(logp - old): row 0 [e^0.2, e^-0.5, 1] with A = +1, row 1 [e^-0.5, e^0.2, 1] with A = -2.
+# clip to [0.8, 1.2]; l = -min(r A, clip(r) A):
+#   row 0: -min(1.2214, 1.2) = -1.2 (high clip) | -min(0.6065, 0.8) = -0.6065 | -1
+#   row 1: -min(-1.2131, -1.6) = 1.6 (low clip)  | -min(-2.4428, -2.4) = 2.4428 | (masked) 2
+# ------------------------------------------------------------------------------------------------------------
+
+LOGPS = torch.tensor([[-1.0, -2.0, -0.5], [-1.5, -0.2, -3.0]])
+OLD = torch.tensor([[-1.2, -1.5, -0.5], [-1.0, -0.4, -3.0]])
+ADV = torch.tensor([1.0, -2.0])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+ROW0 = [-1.2, -math.exp(-0.5), -1.0]
+ROW1 = [1.6, 2 * math.exp(0.2), 2.0]
+MASKED_SUM = sum(ROW0) + ROW1[0] + ROW1[1]  # 5 active tokens
+
+
+@pytest.mark.parametrize("loss_type,expected", [
+    ("grpo", (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 2),  # per-sequence means, then the batch mean
+    ("bnpo", MASKED_SUM / 5),  # token mean over the batch
+    ("dr_grpo", MASKED_SUM / (2 * 4)),  # B * max_completion_length (= 4)
+    ("dapo", MASKED_SUM / 5),  # num_items=None: this batch's tokens
+])
+def test_grpo_loss_normalisations(loss_type, expected):
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_type, 0.2, 0.2, max_completion_length=4)
+    assert close(loss, expected)
+    # one of 5 tokens clipped high (row 0, t0), one clipped low (row 1, t0)
+    assert close(stats["clip_ratio/high"], 0.2) and close(stats["clip_ratio/low"], 0.2)
+    assert close(stats["clip_ratio/region"], 0.4)
+    assert "kl" not in stats
+
+
+def test_grpo_loss_dapo_global_token_count():
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", num_items=10)
+    assert close(loss, MASKED_SUM / 10)
+
+
+def test_grpo_loss_clip_higher():
+    # epsilon_high 0.25: row 0 t0 (r = 1.2214) is no longer clipped, l = -1.2214
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", 0.2, 0.25)
+    assert close(loss, (MASKED_SUM + 1.2 - math.exp(0.2)) / 5)
+    assert close(stats["clip_ratio/high"], 0.0)
+
+
+def test_grpo_loss_kl():
+    ref = torch.full_like(LOGPS, -1.0)
+    d = (ref - LOGPS).tolist()  # [[0, 1, -0.5], [0.5, -0.8, 2 (masked)]]
+    kl = [[math.exp(x) - x - 1 for x in row] for row in d]
+    kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1)
+    assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5)
+    assert close(stats["kl"], kl_sum / 5)
+    assert kl[0][0] == 0 and all(x >= 0 for row in kl for x in row)
+
+
+def test_grpo_loss_gradient_is_policy_gradient_on_policy():
+    # with old = logp (num_iterations = 1) the bnpo gradient w.r.t. logp_t is -A_t m_t / sum(m)
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, "bnpo")
+    loss.backward()
+    assert torch.allclose(logps.grad, -ADV[:, None] * MASK / 5)
+
+
+def test_grpo_loss_is_weights():
+    w = torch.tensor([[2.0], [0.0]])  # sequence-level: row 1 masked out by its weight
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", is_weights=w)
+    assert close(loss, 2 * sum(ROW0) / 5)
+
+
+def test_grpo_loss_dr_grpo_needs_length():
+    with pytest.raises(ValueError):
+        gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# vllm_importance_weights: trainer vs vLLM logprobs; masked positions do not count
+# ------------------------------------------------------------------------------------------------------------
+
+TRAINER = torch.tensor([[-1.0, -2.0], [-0.5, -1.0]])
+VLLM = torch.tensor([[-1.5, -2.0], [-0.5, -3.0]])
+IS_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("token_truncate", [[1.5, 1.0], [1.0, 1.0]]),  # e^0.5 = 1.65 capped at 1.5
+    ("token_mask", [[0.0, 1.0], [1.0, 1.0]]),  # e^0.5 > 1.5 -> 0
+    ("sequence_truncate", [[1.5], [1.0]]),  # row sums 0.5 and 0 (the masked diff of 2 is ignored)
+    ("sequence_mask", [[0.0], [1.0]]),
+])
+def test_importance_weights(mode, expected):
+    got = gc.vllm_importance_weights(TRAINER, VLLM, IS_MASK, mode, clip_max=1.5)
+    assert torch.allclose(got, torch.tensor(expected))
+
+
+def test_importance_weights_uncapped_value():
+    got = gc.vllm_importance_weights(TRAINER, VLLM, IS_MASK, "token_truncate", clip_max=3.0)
+    assert close(got[0, 0], math.exp(0.5))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# logprobs: chunked == full log_softmax (values and gradients); the Policy forward on a padded batch
+# ------------------------------------------------------------------------------------------------------------
+
+def test_chunked_logprobs_match_full_softmax():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (7,), generator=g)
+    lp, ent = gc.chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=3)
+    logits = hidden @ weight.T / 0.7
+    ref = logits.log_softmax(-1)
+    ref_lp = ref.gather(-1, targets[:, None])[:, 0]
+    assert torch.allclose(lp, ref_lp.float(), atol=1e-6)
+    assert torch.allclose(ent, -(ref.exp() * ref).sum(-1).float(), atol=1e-5)
+    (g1h, g1w) = torch.autograd.grad(lp.sum(), (hidden, weight))
+    (g2h, g2w) = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
+    assert torch.allclose(g1h, g2h, atol=1e-6) and torch.allclose(g1w, g2w, atol=1e-6)
+
+
+def tiny_llama(vocab=64, hidden=32, heads=4, kv_heads=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                         tie_word_embeddings=True, attn_implementation="sdpa")
+    return LlamaForCausalLM(config).eval()
+
+
+def test_policy_forward_matches_unpadded_model():
+    lm = tiny_llama()
+    prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
+    input_ids, attention, completion_mask = gc.collate(prompts, completions, pad_id=0)
+    assert input_ids.tolist() == [[5, 6, 7, 10, 11, 0], [0, 8, 9, 12, 13, 14]]
+    assert completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    logps, _ = gc.Policy(lm)(input_ids, attention, completion_mask, 1.0)
+    for i, (p, c) in enumerate(zip(prompts, completions)):  # each row alone, no padding at all
+        ids = torch.tensor([p + c])
+        full = lm(ids).logits[0].log_softmax(-1)
+        want = [full[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)]
+        assert torch.allclose(logps[i, :len(c)], torch.tensor(want), atol=1e-5)
+        assert (logps[i, len(c):] == 0).all()
+
+
+def test_micro_batch_trims_padding_columns():
+    prompts, completions = [[1, 2, 3, 4], [5], [6, 7]], [[8], [9, 10, 11], [12]]
+    input_ids, attention, completion_mask = gc.collate(prompts, completions, pad_id=0)
+    batch = gc.SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+                               loss_mask=completion_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
+                               old_logps=None, ref_logps=None)
+    mb = gc.micro_batch(batch, 1, 2, "cpu")  # rows 1-2: longest prompt 2, longest completion 3
+    assert mb.input_ids.tolist() == [[0, 5, 9, 10, 11], [6, 7, 12, 0, 0]]
+    assert mb.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert mb.advantages.tolist() == [1.0, 2.0]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# data, seeds, schedule, flags
+# ------------------------------------------------------------------------------------------------------------
+
+def test_arithmetic_task_is_deterministic_and_split():
+    train, held = gc.arithmetic_task(seed=1, num_eval=50)
+    train2, held2 = gc.arithmetic_task(seed=1, num_eval=50)
+    assert train == train2 and held == held2 and len(held) == 50
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in held)
+    assert gc.arithmetic_task(seed=2, num_eval=50)[0][:20] != train[:20]  # the seed changes the order
+    for row in held[:10]:
+        a, op, b = row["prompt"].split("?")[0].split()[2:5]
+        assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def test_rows_for_step_disjoint_across_ranks_and_resumable():
+    rows = list(range(10))
+    step0 = [gc.rows_for_step(rows, 0, r, 2, 3, seed=0) for r in range(2)]
+    assert set(step0[0]).isdisjoint(step0[1])
+    assert gc.rows_for_step(rows, 0, 1, 2, 3, seed=0) == step0[1]  # a pure function of (step, rank, seed)
+    # generation 1 needs indices 6..11: the end of epoch 0 and the start of epoch 1 (another permutation)
+    epoch0 = gc.epoch_permutation(10, 0, 0)
+    assert gc.rows_for_step(rows, 1, 0, 2, 3, seed=0) == [epoch0[6], epoch0[7], epoch0[8]]
+    assert sorted(epoch0) == rows
+
+
+def test_derive_seed_stable_and_distinct():
+    assert gc.derive_seed(1, "rollout", 3, 0) == gc.derive_seed(1, "rollout", 3, 0)
+    assert len({gc.derive_seed(s, "rollout", 3, e) for s in range(3) for e in range(3)}) == 9
+
+
+def test_lr_schedules():
+    cfg = gc.Config(max_steps=10, warmup_steps=2, lr_scheduler_type="linear")
+    f = gc.lr_lambda(cfg)
+    assert [round(f(s), 4) for s in (0, 1, 2, 6, 12)] == [0.3333, 0.6667, 1.0, 0.5, 0.0]
+    cfg.lr_scheduler_type = "cosine"
+    assert round(gc.lr_lambda(cfg)(6), 4) == 0.5
+    cfg.lr_scheduler_type = "constant"
+    assert gc.lr_lambda(cfg)(9) == 1.0
+
+
+def test_parse_args_types_and_bools():
+    cfg = gc.parse_args(["--beta", "0.04", "--reward_funcs", "reward_len", "format_reward", "--reward_weights",
+                         "1", "0.5", "--mask_truncated_completions", "--vllm_importance_sampling_correction",
+                         "false", "--top_k", "20"])
+    assert cfg.beta == 0.04 and cfg.reward_weights == [1.0, 0.5] and cfg.top_k == 20
+    assert cfg.mask_truncated_completions is True and cfg.vllm_importance_sampling_correction is False
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--num_generations", "1"], "--num_generations"),
+    (["--per_device_train_batch_size", "6", "--gradient_accumulation_steps", "1"], "--per_device_train_batch_size"),
+    (["--loss_type", "ppo"], "--loss_type"),
+    (["--scale_rewards", "global"], "--scale_rewards"),
+    (["--reward_funcs", "nope"], "--reward_funcs"),
+    (["--reward_weights", "1", "2", "3"], "--reward_weights"),
+    (["--epsilon_high", "0.1"], "--epsilon_high"),
+    (["--beta", "-1"], "--beta"),
+    (["--learning_rate", "nan"], "--learning_rate"),
+    (["--max_steps", "0"], "--max_steps"),
+    (["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization"),
+    (["--vllm_sleep_level", "3"], "--vllm_sleep_level"),
+    (["--vllm_importance_sampling_mode", "seq"], "--vllm_importance_sampling_mode"),
+    (["--dtype", "float16"], "--dtype"),
+    (["--lr_scheduler_type", "step"], "--lr_scheduler_type"),
+    (["--save_steps", "3", "--num_iterations", "2"], "--save_steps"),
+    (["--resume_from_checkpoint", "/nonexistent"], "--resume_from_checkpoint"),
+])
+def test_bad_flags_rejected_with_the_flag_named(argv, flag):
+    with pytest.raises(gc.ConfigError, match=flag):
+        gc.parse_args(argv)
+
+
+def test_bad_tp_for_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(gc.ConfigError, match="--vllm_tensor_parallel_size"):
+        gc.parse_args(["--vllm_tensor_parallel_size", "3"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_sleep_mode_refused_on_cpu():
+    with pytest.raises(gc.ConfigError, match="--vllm_enable_sleep_mode"):
+        gc.parse_args(["--vllm_enable_sleep_mode", "true"])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# reward functions
+# ------------------------------------------------------------------------------------------------------------
+
+def test_extract_answer():
+    assert rf.extract_answer("so 3 + 4 = 7\n#### 7") == 7
+    assert rf.extract_answer("#### 1,234 and then 5") == 1234  # '####' wins over a later bare number
+    assert rf.extract_answer("the answer is \\boxed{-12}.") == -12
+    assert rf.extract_answer("it is 41, not 40") == 40
+    assert rf.extract_answer("no digits here") is None
+
+
+def test_accuracy_format_and_length_rewards():
+    completions = ["#### 95", "95", "I think 96", "\\boxed{95}"]
+    assert rf.accuracy_reward(None, completions, answer=["95"] * 4) == [1.0, 1.0, 0.0, 1.0]
+    assert rf.accuracy_reward(None, ["#### 18"], answer=["Natalia sold 48/2 = 24 ... #### 18"]) == [1.0]
+    assert rf.format_reward(None, completions) == [1.0, 0.0, 0.0, 1.0]
+    assert rf.reward_len(None, ["x" * 20, "x" * 25, ""]) == [0.0, -5.0, -20.0]
+
+
+def test_score_passes_columns_and_repeats_per_group():
+    rows = [{"prompt": "p0", "answer": "1", "prompt_ids": [0]}, {"prompt": "p1", "answer": "2", "prompt_ids": [1]}]
+    table = gc.score([rf.accuracy_reward, rf.format_reward], rows, ["1", "#### 1", "2", "x"], G=2)
+    assert table.tolist() == [[1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# TP gather/slice with 4 real processes, tp = 2
+# ------------------------------------------------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank, world, port, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tp_group, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    mine = [f"r{rank}-p{i}" for i in range(rank + 1)]  # unequal counts per rank on purpose
+    seen = []
+
+    def engine(requests):  # one "engine" per TP group: it must see the same requests on both of its ranks
+        seen.append(list(requests))
+        return [f"out({r})" for r in requests]
+    # str hashes are salted per process: fingerprint with a stable hash (the trainer hashes ints, which are not)
+    got = gc.tp_generate(engine, mine, tp_group, 2, fingerprint=lambda outs: zlib.crc32(repr(outs).encode()))
+    results[rank] = (mine, got, seen[0])
+    dist.destroy_process_group()
+
+
+def test_tp_gather_slice_four_ranks():
+    results = mp.Manager().dict()
+    mp.spawn(_tp_worker, args=(4, free_port(), results), nprocs=4, join=True)
+    for rank in range(4):
+        mine, got, seen = results[rank]
+        assert got == [f"out({p})" for p in mine]  # exactly the completions of its own prompts
+        partner = rank ^ 1
+        assert seen == results[partner][2]  # both ranks of the group submitted identical requests
+        assert len(seen) == len(mine) + len(results[partner][0])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# end to end: the real engine and the real model, torchrun on the CPU
+# ------------------------------------------------------------------------------------------------------------
+
+SMALL = ["--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+         "--mask_truncated_completions",
+         "--max_prompt_length", "96", "--max_completion_length", "32", "--num_eval", "8", "--learning_rate", "1e-5"]
+REQUIRED_KEYS = [
+    "step", "lr", "reward", "reward_std", "rewards/accuracy_reward", "rewards/format_reward", "advantage_std",
+    "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
+    "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
+    "grad_norm", "logprob_gap", "is_weight/mean", "parity_gap", "time/generate", "time/reward", "time/logprobs",
+    "time/train", "time/optimizer", "time/push", "time/sleep", "time/step", "tokens_per_sec_per_gpu",
+]
+NOT_REPRODUCIBLE = ("time/", "tokens_per_sec", "generate_tokens_per_sec")
+
+
+def run_trainer(args, nproc=2, timeout=900):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(HERE, "grpo_colocate.py"), *args]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory):
+    assert os.path.isfile(os.path.join(MODEL, "model.safetensors")), \
+        f"the embedded model is missing at {MODEL}: run the tests through `bash run.sh test`, which prepares it"
+    out = str(tmp_path_factory.mktemp("e2e"))
+    proc = run_trainer(["--model", MODEL, *SMALL, "--max_steps", "2", "--save_steps", "1", "--eval_steps", "2",
+                        "--output_dir", out])
+    return out, proc
+
+
+def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
+    out, proc = two_rank_run
+    records = read_metrics(out)
+    assert records[0]["step"] == 0 and "eval/accuracy_reward" in records[0]  # the base model's eval
+    steps = [r for r in records if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        missing = [k for k in REQUIRED_KEYS if k not in r]
+        assert not missing, missing
+        bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, bad
+    assert "eval/accuracy_reward" in steps[-1]
+    assert "step 2/2 | reward" in proc.stdout  # the stdout line
+
+
+def test_e2e_parity_checked_after_every_push(two_rank_run):
+    out, proc = two_rank_run
+    for r in read_metrics(out):
+        if "reward" in r:
+            assert 0 <= r["parity_gap"] < 1e-4  # fp32 on the CPU: trainer and engine agree to ~1e-5
+            assert r["time/push"] > 0 and r["push_gb"] > 0.5  # 134.5M fp32 params
+            assert r["logprob_gap"] < 1e-3  # the sampled tokens too
+
+
+def test_e2e_policy_changed_and_checkpoint_loads_in_transformers(two_rank_run):
+    from transformers import AutoModelForCausalLM
+
+    out, _ = two_rank_run
+    ckpt = os.path.join(out, "checkpoint-2")
+    assert not os.path.exists(ckpt + ".tmp")
+    trained = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    moved = [n for (n, p), (_, q) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
+    assert len(moved) > 100  # nearly every tensor moved
+    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    assert state["step"] == 2 and state["config"]["model"] == MODEL
+
+
+def test_e2e_resume_reproduces_step_two(two_rank_run, tmp_path):
+    out, _ = two_rank_run
+    resumed = str(tmp_path / "resumed")
+    run_trainer(["--model", MODEL, *SMALL, "--max_steps", "2", "--eval_steps", "2", "--output_dir", resumed,
+                 "--resume_from_checkpoint", os.path.join(out, "checkpoint-1")])
+    want = [r for r in read_metrics(out) if r["step"] == 2][0]
+    got = [r for r in read_metrics(resumed) if r["step"] == 2][0]
+    assert set(got) == set(want)
+    for key in want:
+        if key.startswith(NOT_REPRODUCIBLE):
+            continue
+        assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
+    assert got["completion_length/mean"] == want["completion_length/mean"]  # the same sampled completions
+    assert got["reward"] == want["reward"]
+
+
+def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
+    """tp=2 on 2 ranks (one engine over both), with the non-default paths: a local dataset with other column
+    names, beta > 0 (reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards, token-level
+    truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule, fixed-length
+    generations."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(model_dir)  # head_dim 64: vLLM-CPU's attention needs it
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "data.jsonl"
+    with open(data, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"What is {i} + 1?", "solution": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n")
+    out = str(tmp_path / "out")
+    run_trainer(["--model", model_dir, "--vllm_tensor_parallel_size", "2", "--dataset", str(data),
+                 "--prompt_column", "question", "--answer_column", "solution", "--num_eval", "4",
+                 "--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+                 "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos",
+                 "--max_steps", "2", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
+                 "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
+                 "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
+                 "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
+                 "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
+                 "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
+                 "--learning_rate", "1e-4", "--eval_steps", "2", "--output_dir", out])
+    steps = [r for r in read_metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
+        assert "kl" in r and math.isfinite(r["kl"]) and r["parity_gap"] < 1e-4
+        assert "rewards/reward_len" in r and "rewards/format_reward" in r
+    assert steps[0]["time/logprobs"] > 0  # the old-logps and reference passes ran
+    assert steps[0]["kl"] == 0.0 or steps[0]["kl"] < 1e-6  # the first step: policy == reference
+    assert steps[1]["kl"] > 0  # the second step trains on the same batch after one update
