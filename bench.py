@@ -69,11 +69,11 @@ def pad_heads(src, tp):
 
 
 def setup(argv):
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     cfg = gc.parse_args(argv)
     env = gc.setup_distributed(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = gc.load_tokenizer(cfg.model)
     rows = gc.tokenize_rows(gc.load_rows(cfg)[0], tokenizer, cfg.max_prompt_length, "training", env)
     return cfg, env, tokenizer, rows, AutoConfig.from_pretrained(cfg.model)
 
@@ -148,6 +148,7 @@ def sleep_bench(out, argv):
     funcs, weights = gc.load_reward_funcs(cfg)
     probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
     ledger = {}
+    llm.sleep(level=2)  # as the trainer does: the engine sleeps while the policy loads, then gets it pushed
     report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     batch = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 0, 0, 1, per_rank, cfg.seed), funcs,
