@@ -8,6 +8,7 @@
     python bench.py make-model SHAPE DIR TOKENIZER_DIR      random-init model of a real shape (qwen2.5-1.5b, ...)
     python bench.py pad-heads SRC TP                        SmolLM2 with zero-padded heads, so tp=2/4 can split it
     python bench.py summarize NAME METRICS.jsonl STANDALONE.json [SKIP]   one BENCHMARKS.md row (median of steps)
+    python bench.py plot OUT.png LABEL=METRICS.jsonl [...]   reward and held-out accuracy curves (matplotlib)
 """
 
 import json
@@ -201,6 +202,33 @@ def summarize(name, metrics_path, standalone_path, skip=2):
     print("ROW " + json.dumps(row))
 
 
+def plot(out, runs):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        label, path = run.split("=", 1)
+        records = [json.loads(line) for line in open(path)]
+        steps = [r for r in records if "reward" in r]
+        x, y = [r["step"] for r in steps], [r["reward"] for r in steps]
+        smooth = [statistics.mean(y[max(0, i - 9):i + 1]) for i in range(len(y))]  # trailing mean of 10 steps
+        line, = left.plot(x, smooth, label=label)
+        left.plot(x, y, color=line.get_color(), alpha=0.2, linewidth=0.8)
+        evals = [(r["step"], r["eval/accuracy_reward"]) for r in records if "eval/accuracy_reward" in r]
+        right.plot(*zip(*evals), marker="o", color=line.get_color(), label=label)
+    left.set(xlabel="step", ylabel="training reward (mean of 256 completions)", title="reward (10-step mean)")
+    right.set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy (256 problems)", ylim=(0, 1))
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(out)
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "standalone":
@@ -211,6 +239,8 @@ if __name__ == "__main__":
         make_model(*args)
     elif command == "pad-heads":
         pad_heads(args[0], int(args[1]))
+    elif command == "plot":
+        plot(args[0], args[1:])
     elif command == "summarize":
         summarize(args[0], args[1], args[2], *(int(a) for a in args[3:]))
     else:

@@ -128,8 +128,8 @@ class Config:
                                              "sequence_mask: truncate clamps the weight, mask zeroes it")
     vllm_importance_sampling_clip_max: float = arg(3.0, "cap of the importance weight")
     # rewards
-    reward_funcs: list[str] = arg(["accuracy_reward", "format_reward"],
-                                  "names from reward_fns.py, or module:function for your own")
+    reward_funcs: list[str] = arg(["accuracy_reward"], "names from reward_fns.py, or module:function for your own "
+                                  "(several are summed with --reward_weights)")
     reward_weights: list[float] = arg([], "one weight per reward function (default: all 1.0)")
     # sampling
     temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use the same)")
@@ -655,10 +655,10 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
 
 
 def parity_tolerance(dtype) -> float:
-    """Mean |logp gap| allowed on the probe. Measured healthy gaps: ~1e-5 in fp32 (CPU); 0.04-0.10 in bf16 for
-    SmolLM2 on an H200, growing as training sharpens the policy. Stale weights show up as drift that crosses this,
-    a level-2 wake without a push as garbage (gap >> 1)."""
-    return 1e-4 if dtype == torch.float32 else 0.25
+    """Mean |logp gap| allowed on the probe. Measured: healthy ~1e-5 in fp32 (CPU); healthy 0.04-0.17 in bf16
+    (SmolLM2 on H200s, 600 steps; it grows as training sharpens the policy and bf16 rounds larger logits), while
+    a level-2 wake without the push gives 7.1. Weights that stop updating show up as drift that crosses this."""
+    return 1e-4 if dtype == torch.float32 else 0.5
 
 
 def sync_engine(llm, policy, env, probe_ids, ledger, step) -> dict:
