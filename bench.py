@@ -70,13 +70,10 @@ def pad_heads(src, tp):
 
 
 def setup(argv):
-    from transformers import AutoConfig
-
     cfg = gc.parse_args(argv)
     env = gc.setup_distributed(cfg)
-    tokenizer = gc.load_tokenizer(cfg.model)
-    rows = gc.tokenize_rows(gc.load_rows(cfg)[0], tokenizer, cfg.max_prompt_length, "training", env)
-    return cfg, env, tokenizer, rows, AutoConfig.from_pretrained(cfg.model)
+    tokenizer, rows, _ = gc.prepare_data(cfg)
+    return cfg, env, tokenizer, rows, gc.load_model_config(cfg)
 
 
 def standalone(out, argv, iterations=6):

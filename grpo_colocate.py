@@ -151,7 +151,8 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
-    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from")
+    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from, or 'latest' (the newest complete "
+                                      "one in --output_dir)")
 
 
 def str2bool(value: str) -> bool:
@@ -177,8 +178,19 @@ def parse_args(argv=None) -> Config:
         else:
             parser.add_argument(f"--{f.name}", type=type(default), default=default, help=f.metadata["help"])
     cfg = Config(**vars(parser.parse_args(argv)))
+    if cfg.resume_from_checkpoint == "latest":
+        cfg.resume_from_checkpoint = latest_checkpoint(cfg.output_dir)
     check_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return cfg
+
+
+def latest_checkpoint(output_dir: str) -> str:
+    """The newest complete checkpoint-<step> in output_dir (a save cut short leaves only a .tmp dir)."""
+    done = [d for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()
+            and os.path.isfile(os.path.join(output_dir, d, "trainer_state.pt"))] if os.path.isdir(output_dir) else []
+    if not done:
+        raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in --output_dir {output_dir!r}")
+    return os.path.join(output_dir, max(done, key=lambda d: int(d[11:])))
 
 
 class ConfigError(ValueError):
@@ -251,6 +263,55 @@ def check_config(cfg: Config, world_size: int) -> None:
                                                                        "trainer_state.pt")),
          "resume_from_checkpoint", f"{cfg.resume_from_checkpoint!r} holds no trainer_state.pt; pass a "
          "checkpoint-<step> directory written by this script")
+    is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
+    need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
+         f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
+    for name in cfg.reward_funcs:
+        if ":" in name:
+            module, fn = name.split(":", 1)
+            try:
+                found = callable(getattr(importlib.import_module(module), fn, None))
+            except ImportError as e:
+                found, module = False, f"{module} ({e})"
+            need(found, "reward_funcs", f"cannot load {name!r}: no function {fn} in module {module}; put the "
+                 "module on PYTHONPATH")
+    try:  # every rank checks, so that every rank reaches the same verdict without a collective
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        need(False, "output_dir", f"cannot write to {cfg.output_dir!r} ({e.strerror}); pass a writable directory")
+
+
+def check_model(cfg: Config, model_config, world_size: int) -> None:
+    """Checks that need the model's config (read before any process group, weights or engine exist)."""
+    tp = cfg.vllm_tensor_parallel_size
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
+                          f"{kv_heads} KV heads; use a tp that divides both (or that the KV heads divide)")
+    context = getattr(model_config, "max_position_embeddings", None)
+    if context and cfg.max_prompt_length + cfg.max_completion_length > context:
+        raise ConfigError(f"--max_prompt_length + --max_completion_length = "
+                          f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
+                          f"{context} tokens; shorten them")
+    if cfg.resume_from_checkpoint:
+        saved = torch.load(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt"), weights_only=False)
+        if saved["config"]["model"] != cfg.model:
+            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} was trained from "
+                              f"{saved['config']['model']!r}, not --model {cfg.model!r}; pass the same --model")
+
+
+def load_model_config(cfg: Config):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(cfg.model)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--model: cannot load {cfg.model!r} ({str(e).splitlines()[0]}); pass a local HF "
+                          "directory, or a hub id with hub access (see README, Troubleshooting)") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -420,8 +481,9 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
     )
 
 
-def print0(*args, env=None):
-    if env is None or env.is_main:
+def print0(*args):
+    """Print on rank 0 only (RANK comes from torchrun, or from setup_distributed for a plain `python` run)."""
+    if os.environ.get("RANK", "0") == "0":
         print(*args, flush=True)
 
 
@@ -445,7 +507,7 @@ def timed(ledger: dict, phase: str, env):
 # ----------------------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """The built-in task: 'What is 37 + 58?' with answer '95'; a, b in [0, 99], + or -. 40,000 problems; a
+    """The built-in task: 'What is 37 + 58?' with answer '95'; a, b in [0, 99], + or -: 20,000 problems. A
     problem is held out iff a hash of its text is 0 mod 10, so train and eval never share one, whatever the
     seed; the seed sets the order."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
@@ -466,17 +528,30 @@ def load_rows(cfg: Config):
 
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(path):
-        ext = path.rsplit(".", 1)[-1].lower()
-        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(ext)
+        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
         if builder is None:
             raise ConfigError(f"--dataset: cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
+        if os.path.getsize(path) == 0:
+            raise ConfigError(f"--dataset: {path!r} is empty")
         load = functools.partial(load_dataset, builder, data_files=path)
     else:
         name, _, config = cfg.dataset.partition(":")
         load = functools.partial(load_dataset, name, config or None)
-    train = load(split=cfg.dataset_split)
+
+    def load_split(split, flag):
+        try:
+            ds = load(split=split)
+        except Exception as e:  # datasets raises many kinds (missing split, no network, bad file): name the flag
+            raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} ({type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0]})") from None
+        if len(ds) == 0:
+            raise ConfigError(f"--{flag}: split {split!r} of {cfg.dataset!r} has no rows")
+        return ds
+
+    train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
-        eval_ = load(split=cfg.eval_split).select(range(min(cfg.num_eval, len(load(split=cfg.eval_split)))))
+        eval_ = load_split(cfg.eval_split, "eval_split")
+        eval_ = eval_.select(range(min(cfg.num_eval, len(eval_))))
     else:
         if len(train) <= cfg.num_eval:
             raise ConfigError(f"--num_eval: {cfg.num_eval} held-out rows leave no training rows in "
@@ -525,18 +600,27 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_rows(rows, tokenizer, max_prompt_length, what, env):
+def tokenize_rows(rows, tokenizer, max_prompt_length, what):
     """Add 'prompt_ids' to each row; drop (and report) prompts longer than max_prompt_length."""
     for row in rows:
         row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"])
     kept = [row for row in rows if len(row["prompt_ids"]) <= max_prompt_length]
     if len(kept) < len(rows):
         print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
-               f"--max_prompt_length {max_prompt_length}", env=env)
+               f"--max_prompt_length {max_prompt_length}")
     if not kept:
         raise ConfigError(f"--max_prompt_length: all {len(rows)} {what} prompts are longer than "
                           f"{max_prompt_length} tokens; raise it")
     return kept
+
+
+def prepare_data(cfg: Config):
+    """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
+    tokenizer = load_tokenizer(cfg.model)
+    train_rows, eval_rows = load_rows(cfg)
+    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training")
+    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
+    return tokenizer, train_rows, eval_rows
 
 
 @functools.lru_cache(maxsize=4)
@@ -675,13 +759,18 @@ def sync_engine(llm, policy, env, probe_ids, ledger, step) -> dict:
         if env.sleep:
             llm.wake_up(tags=["kv_cache"])
     with timed(ledger, "parity", env):
-        gap = parity_gap(llm, unwrap(policy), probe_ids, env)
-    tolerance = parity_tolerance(env.dtype)
-    if not gap <= tolerance:
+        gap = check_parity(llm, policy, probe_ids, env, step)
+    return {"parity_gap": gap, "push_gb": pushed / 1e9}
+
+
+def check_parity(llm, policy, probe_ids, env, step) -> float:
+    """Fail loudly, naming the step, when the engine does not run the trainer's weights."""
+    gap, tolerance = parity_gap(llm, unwrap(policy), probe_ids, env), parity_tolerance(env.dtype)
+    if not gap <= tolerance:  # (a NaN gap fails too)
         raise RuntimeError(f"step {step}: after the weight push vLLM and the trainer disagree on the probe "
                            f"sequence: mean |logp gap| {gap:.4g} > {tolerance} ({env.dtype}). The engine is not "
                            "running the trained weights (a failed or stale push, or a name mismatch).")
-    return {"parity_gap": gap, "push_gb": pushed / 1e9}
+    return gap
 
 
 def engine_sleep(llm, cfg, env, ledger):
@@ -840,7 +929,7 @@ def rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_in
             vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
     grouped = rewards.view(-1, G)
     return SimpleNamespace(
-        rows=rows, texts=texts, input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
+        input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
         loss_mask=loss_mask, advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
@@ -932,10 +1021,13 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
     with timed(ledger, "optimizer", env):
         params = [p for p in policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-        optimizer.step()
-        scheduler.step()
+        # a NaN/inf loss makes the gradient non-finite; DDP all-reduced it, so every rank decides alike
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            optimizer.step()
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    sums["grad_norm"] = grad_norm.item()
+    sums["grad_norm"], sums["skipped"] = grad_norm.item(), float(not finite)
     return sums
 
 
@@ -975,6 +1067,8 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> 
     return final
 
 
+MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
+
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
                    "L40S": 362e12, "B200": 2250e12}  # dense bf16 tensor-core peaks (the datasheets' non-sparse)
 
@@ -1002,7 +1096,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
-        **{k: v for k, v in train_sums.items() if k != "grad_norm"},
+        **{k: v for k, v in train_sums.items() if k not in ("grad_norm", "skipped")},
     }
     keys = list(local)
     totals = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=env.device)
@@ -1064,37 +1158,16 @@ def log_line(step, max_steps, m) -> str:
 # main: set up, then the loop as phase banners: generate -> score -> advantages -> train -> push -> log.
 # ----------------------------------------------------------------------------------------------------------------
 
-def train(cfg: Config, env):
+def train(cfg: Config, env, model_config, data):
     from tqdm import tqdm
-    from transformers import AutoConfig
 
-    # ---- checks that need the model's config, still before any engine or weights ----
-    model_config = AutoConfig.from_pretrained(cfg.model)
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", heads)
-    if heads % env.tp or (kv_heads % env.tp and env.tp % kv_heads):
-        raise ConfigError(f"--vllm_tensor_parallel_size: {env.tp} does not split the model's {heads} attention / "
-                          f"{kv_heads} KV heads; use a tp that divides the head counts")
-    context = getattr(model_config, "max_position_embeddings", None)
-    if context and cfg.max_prompt_length + cfg.max_completion_length > context:
-        raise ConfigError(f"--max_prompt_length + --max_completion_length = "
-                          f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
-                          f"{context} tokens; shorten them")
-    start_step = 0
+    start_step, state = 0, None
     if cfg.resume_from_checkpoint:
         state = torch.load(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt"), weights_only=False)
-        if state["config"]["model"] != cfg.model:
-            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} was trained from "
-                              f"{state['config']['model']!r}, not --model {cfg.model!r}; pass the same --model")
         start_step = state["step"]
-    if env.is_main:
-        os.makedirs(cfg.output_dir, exist_ok=True)
 
-    # ---- data ----
-    tokenizer = load_tokenizer(cfg.model)
-    train_rows, eval_rows = load_rows(cfg)
-    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training", env)
-    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval", env)
+    # ---- data (loaded and checked in main, before the process group) ----
+    tokenizer, train_rows, eval_rows = data
     # the parity probe: a held-out prompt followed by its reference answer, scored by trainer and engine
     probe_ids = eval_rows[0]["prompt_ids"] + tokenizer(f"#### {eval_rows[0]['answer']}",
                                                        add_special_tokens=False)["input_ids"]
@@ -1119,7 +1192,7 @@ def train(cfg: Config, env):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    if cfg.resume_from_checkpoint:
+    if state is not None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
 
@@ -1131,7 +1204,7 @@ def train(cfg: Config, env):
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
            f"{min(prompts_per_rank * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
            f", push via {env.push} | {len(train_rows)} train / {len(eval_rows)} eval prompts | "
-           f"steps {start_step} -> {cfg.max_steps}", env=env)
+           f"steps {start_step} -> {cfg.max_steps}")
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
 
@@ -1142,14 +1215,14 @@ def train(cfg: Config, env):
 
     sync_info = sync_engine(llm, policy, env, probe_ids, ledger, step=start_step)  # also checks the push itself
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
-           f"gap {sync_info['parity_gap']:.2e}", env=env)
+           f"gap {sync_info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:
         base = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
-        print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()), env=env)
+        print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
         write_metrics({"step": 0, **base})
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="grpo")
-    batch = None
+    batch, engine_stale, skipped_in_a_row, skipped_total = None, False, 0, 0
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
         if env.device.type == "cuda":
@@ -1174,15 +1247,25 @@ def train(cfg: Config, env):
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
         device_used_gib(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
+        if train_sums["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
+            skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
+            print0(f"step {step}: non-finite loss or gradient (grad norm {train_sums['grad_norm']}), skipped")
+            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+                raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
+                                   "gradient; lower --learning_rate, check the reward functions for NaN/inf, or "
+                                   f"resume from the last checkpoint in {cfg.output_dir}")
+        else:
+            skipped_in_a_row, engine_stale = 0, True
 
         # ======== push: the engine gets the new weights before it generates again ========
-        if step % cfg.num_iterations == 0 or step == cfg.max_steps:
+        if engine_stale and (step % cfg.num_iterations == 0 or step == cfg.max_steps):
             sync_info = sync_engine(llm, policy, env, probe_ids, ledger, step)
+            engine_stale = False
 
         # ======== log ========
         m = None
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            m = {"step": step, "lr": lr,
+            m = {"step": step, "lr": lr, "skipped_steps": skipped_total,
                  **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs)}
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, m))
@@ -1190,40 +1273,44 @@ def train(cfg: Config, env):
             eval_time = {}
             with timed(eval_time, "eval", env):
                 ev = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
-            print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()), env=env)
+            print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:
             write_metrics(m)
         if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
             path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer)
-            print0(f"saved {path}", env=env)
+            print0(f"saved {path}")
         bar.update(1)
     bar.close()
     return llm
 
 
 def main(argv=None):
-    try:
+    try:  # bad input: one message, before any process group, model or engine exists
         cfg = parse_args(argv)
+        model_config = load_model_config(cfg)
+        check_model(cfg, model_config, int(os.environ.get("WORLD_SIZE", "1")))
+        data = prepare_data(cfg)
     except ConfigError as e:  # identical on every rank: each exits without touching a collective
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
     env = setup_distributed(cfg)
     try:
-        llm = train(cfg, env)
-    except BaseException as e:  # noqa: BLE001 - any failure: report once per rank and leave NOW, so that torchrun
-        # tears the other ranks down instead of letting them wait in a collective
-        if isinstance(e, ConfigError):
-            print(f"[rank {env.rank}] error: {e}", file=sys.stderr, flush=True)
-        else:
+        llm = train(cfg, env, model_config, data)
+    except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
+        # other ranks down (within seconds) instead of leaving them waiting in a collective
+        if not isinstance(e, ConfigError):
             print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        elif env.is_main:  # data errors are the same on every rank: say it once
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
         os._exit(2 if isinstance(e, ConfigError) else 1)
     # ---- teardown: the engine first (it holds process groups of its own), then ours ----
     del llm
     dist.barrier()
     dist.destroy_process_group()
-    print0("done", env=env)
+    print0("done")
 
 
 if __name__ == "__main__":

@@ -11,10 +11,13 @@ No mocks of vLLM or the model in the end-to-end tests.
 import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ import torch.multiprocessing as mp
 import grpo_colocate as gc
 import reward_fns as rf
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODEL = gc.DEFAULT_MODEL
 
@@ -305,6 +309,137 @@ def test_sleep_mode_refused_on_cpu():
         gc.parse_args(["--vllm_enable_sleep_mode", "true"])
 
 
+def test_dataset_file_missing(tmp_path):
+    with pytest.raises(gc.ConfigError, match="--dataset"):
+        gc.parse_args(["--dataset", str(tmp_path / "nope.jsonl")])
+
+
+def test_output_dir_not_writable(tmp_path):
+    (tmp_path / "a_file").write_text("x")  # a directory cannot be made under a file, not even by root
+    with pytest.raises(gc.ConfigError, match="--output_dir"):
+        gc.parse_args(["--output_dir", str(tmp_path / "a_file" / "run")])
+
+
+def test_reward_module_missing():
+    with pytest.raises(gc.ConfigError, match="--reward_funcs"):
+        gc.parse_args(["--reward_funcs", "no_such_module_xyz:reward"])
+
+
+def test_resume_latest_needs_a_complete_checkpoint(tmp_path):
+    (tmp_path / "checkpoint-3.tmp").mkdir()  # a save that was cut short does not count
+    with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
+        gc.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+
+
+def test_model_missing():
+    with pytest.raises(gc.ConfigError, match="--model"):
+        gc.load_model_config(gc.Config(model="/nonexistent/model-dir"))
+
+
+SMOL_SHAPE = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+
+
+@pytest.mark.parametrize("flags,flag", [
+    ({"vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size"),  # 9 heads / 3 KV heads: tp in {1, 3}
+    ({"vllm_tensor_parallel_size": 4}, "--vllm_tensor_parallel_size"),
+    ({"max_prompt_length": 4096, "max_completion_length": 8192}, "--max_prompt_length"),  # > 8192 context
+])
+def test_model_shape_checks(flags, flag):
+    with pytest.raises(gc.ConfigError, match=flag):
+        gc.check_model(gc.Config(**flags), SMOL_SHAPE, 4)
+    gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE, 3)  # fine
+
+
+def test_resume_from_another_model(tmp_path):
+    torch.save({"step": 1, "config": {"model": "someone/else"}}, tmp_path / "trainer_state.pt")
+    with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
+        gc.check_model(gc.Config(resume_from_checkpoint=str(tmp_path)), SMOL_SHAPE, 1)
+
+
+def data_config(tmp_path, rows, **flags):
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return gc.Config(**{"model": MODEL, "dataset": str(path), "num_eval": 2, **flags})
+
+
+ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)]
+
+
+@pytest.mark.parametrize("rows,flags,flag", [
+    ([], {}, "--dataset"),  # empty
+    ([{"question": "q", "answer": "1"}] * 10, {}, "--prompt_column"),
+    ([{"prompt": "q", "solution": "1"}] * 10, {}, "--answer_column"),
+    (ROWS, {"max_prompt_length": 5}, "--max_prompt_length"),  # every prompt is longer: nothing left
+    (ROWS, {"num_eval": 10}, "--num_eval"),  # no training rows left
+])
+def test_bad_datasets(tmp_path, rows, flags, flag):
+    with pytest.raises(gc.ConfigError, match=flag):
+        gc.prepare_data(data_config(tmp_path, rows, **flags))
+
+
+def test_long_prompts_are_dropped_and_counted(tmp_path, capsys):
+    rows = ROWS + [{"prompt": "word " * 300, "answer": "0"}]
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, max_prompt_length=64, num_eval=1))
+    assert len(train) + len(held) == 10
+    assert "dropped 1 of" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------------------------------
+# non-finite steps, atomic checkpoints
+# ------------------------------------------------------------------------------------------------------------
+
+def test_non_finite_step_is_skipped():
+    lm = tiny_llama()
+    policy = gc.Policy(lm)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    input_ids, attention, completion_mask = gc.collate([[1, 2], [3]], [[4, 5], [6, 7]], pad_id=0)
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    loss_type="grpo", vllm_importance_sampling_correction=False)
+    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+
+    def batch(advantages):
+        return SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+                               loss_mask=completion_mask.float(), advantages=torch.tensor(advantages),
+                               vllm_logps=None, old_logps=None, ref_logps=None)
+    before = [p.detach().clone() for p in policy.parameters()]
+    sums = gc.train_step(policy, optimizer, scheduler, batch([float("nan"), 1.0]), cfg, env, {})
+    assert sums["skipped"] == 1.0 and not math.isfinite(sums["grad_norm"])
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # no update
+    assert all(p.grad is None for p in policy.parameters()) and scheduler.last_epoch == 0
+    sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, {})
+    assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def _save_twice_and_die(out, port):
+    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo")
+    from transformers import AutoTokenizer
+
+    policy = gc.Policy(tiny_llama())
+    optimizer = torch.optim.AdamW(policy.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    args = (gc.Config(output_dir=out), SimpleNamespace(is_main=True))
+    rest = (policy, optimizer, scheduler, AutoTokenizer.from_pretrained(MODEL))
+    gc.save_checkpoint(*args, 1, *rest)
+    torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed half-way through the second save
+    gc.save_checkpoint(*args, 2, *rest)
+
+
+def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path)
+    child = mp.get_context("spawn").Process(target=_save_twice_and_die, args=(out, free_port()))
+    child.start()
+    child.join(120)
+    assert child.exitcode == -signal.SIGKILL
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2.tmp"]  # the half-written one is only a tmp dir
+    AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-1"))
+    assert torch.load(os.path.join(out, "checkpoint-1", "trainer_state.pt"), weights_only=False)["step"] == 1
+    assert gc.latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # reward functions
 # ------------------------------------------------------------------------------------------------------------
@@ -384,13 +519,22 @@ REQUIRED_KEYS = [
 NOT_REPRODUCIBLE = ("time/", "tokens_per_sec", "generate_tokens_per_sec")
 
 
-def run_trainer(args, nproc=2, timeout=900):
+def run_trainer(args, nproc=2, timeout=900, check=True, **env_extra):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(HERE, "grpo_colocate.py"), *args]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+    if check:
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}"
+        assert_clean_exit(proc, args[args.index("--output_dir") + 1])
     return proc
+
+
+def assert_clean_exit(proc, marker):
+    """No segfault, no leaked process group, and no process of the run left behind."""
+    for bad in ("Segmentation fault", "destroy_process_group() was not called", "core dumped"):
+        assert bad not in proc.stderr, bad
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).returncode == 1, "a process outlived the run"
 
 
 def read_metrics(output_dir):
@@ -500,3 +644,104 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
+
+
+# ------------------------------------------------------------------------------------------------------------
+# faults: a crash on one rank, steps that keep going non-finite, a stale engine
+# ------------------------------------------------------------------------------------------------------------
+
+FAILING_REWARD = '''
+import os, time
+calls = 0
+def boom(prompts, completions, **columns):
+    global calls
+    calls += 1
+    if os.environ["RANK"] == "1" and calls == 2:  # rank 1, step 2
+        open(os.environ["BOOM_FILE"], "w").write(repr(time.time()))
+        raise ValueError("boom on rank 1 at step 2")
+    return [0.0] * len(completions)
+'''
+
+
+def test_a_crash_on_one_rank_ends_every_rank(tmp_path):
+    (tmp_path / "failing_rewards.py").write_text(FAILING_REWARD)
+    out, boom_file = str(tmp_path / "out"), str(tmp_path / "boom")
+    proc = run_trainer(["--model", MODEL, *SMALL, "--reward_funcs", "accuracy_reward", "failing_rewards:boom",
+                        "--max_steps", "4", "--eval_steps", "0", "--output_dir", out], check=False,
+                       PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", BOOM_FILE=boom_file)
+    seconds_after_the_error = time.time() - float(open(boom_file).read())
+    assert proc.returncode != 0
+    print(f"every rank ended {seconds_after_the_error:.1f} s after the error")
+    assert seconds_after_the_error < 60, seconds_after_the_error  # nobody waited in a collective
+    assert proc.stderr.count("ValueError: boom on rank 1 at step 2") == 1  # the first error, printed once
+    assert subprocess.run(["pgrep", "-f", out], capture_output=True).returncode == 1
+
+
+def test_non_finite_steps_in_a_row_stop_the_run(tmp_path):
+    # a learning rate of 1e30 turns every weight into +-1e30 after the first update; num_iterations 4 keeps the
+    # engine out of it (no push before step 4), so steps 2, 3 and 4 compute non-finite losses on the same batch
+    from transformers import AutoTokenizer
+
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(AutoTokenizer.from_pretrained(MODEL)), hidden=256).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
+    proc = run_trainer(["--model", model_dir, "--num_generations", "4", "--per_device_train_batch_size", "4",
+                        "--gradient_accumulation_steps", "1", "--max_prompt_length", "96", "--max_completion_length",
+                        "8", "--num_eval", "4", "--max_steps", "4", "--num_iterations", "4", "--eval_steps", "0",
+                        "--reward_funcs", "reward_len", "--learning_rate", "1e30", "--max_grad_norm", "0",
+                        "--output_dir", str(tmp_path / "out")], nproc=1, check=False)
+    assert proc.returncode == 1
+    assert "step 4: 3 steps in a row had a non-finite loss or gradient" in proc.stderr
+    assert "step 2: non-finite loss or gradient" in proc.stdout
+
+
+STALE_ENGINE = '''
+import json, sys, torch
+sys.path.insert(0, {here!r})
+import grpo_colocate as gc
+cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "4",
+                     "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                     "--max_prompt_length", "96", "--max_completion_length", "16", "--num_eval", "4"])
+env = gc.setup_distributed(cfg)
+tokenizer, rows, eval_rows = gc.prepare_data(cfg)
+llm = gc.make_engine(cfg, env, gc.load_model_config(cfg))
+policy = gc.wrap_policy(gc.load_lm(cfg.model, env), env)
+probe = eval_rows[0]["prompt_ids"] + tokenizer("#### 1", add_special_tokens=False)["input_ids"]
+result = {{"fresh": gc.sync_engine(llm, policy, env, probe, {{}}, 0)["parity_gap"]}}
+
+def sample(seed):  # the rollout seeding the trainer uses
+    torch.manual_seed(gc.derive_seed(seed, "rollout", 0, env.engine_index))
+    out = gc.generate(llm, env, [rows[0]["prompt_ids"]], gc.sampling_params(cfg))
+    return [list(c.token_ids) for c in out[0].outputs]
+result["same_seed_same_rollout"] = sample(1) == sample(1)
+result["other_seed_other_rollout"] = sample(1) != sample(2)
+
+# one optimizer step on the trainer and NO push: the engine is stale
+optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+ids = torch.tensor([probe])
+logps, _ = policy(ids, torch.ones_like(ids), torch.ones_like(ids[:, 1:]), 1.0)
+(-logps.mean()).backward()
+optimizer.step()
+try:
+    gc.check_parity(llm, policy, probe, env, step=7)
+    result["stale_caught"] = False
+except RuntimeError as e:
+    result["stale_caught"] = "step 7" in str(e)
+gc.push_weights(llm, gc.unwrap(policy).lm, env)
+result["after_push"] = gc.check_parity(llm, policy, probe, env, step=7)
+print("RESULT", json.dumps(result))
+del llm
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_parity_check_catches_a_stale_engine(tmp_path):
+    script = tmp_path / "stale.py"
+    script.write_text(STALE_ENGINE.format(here=HERE, model=MODEL, out=str(tmp_path / "out")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["fresh"] < 1e-4 and result["after_push"] < 1e-4
+    assert result["stale_caught"]
+    assert result["same_seed_same_rollout"] and result["other_seed_other_rollout"]
