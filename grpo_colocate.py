@@ -36,7 +36,6 @@ What is implemented, honestly:
 """
 
 import argparse
-import copy
 import dataclasses
 import functools
 import hashlib
@@ -1179,6 +1178,7 @@ def train(cfg: Config, env, model_config, data):
     llm = make_engine(cfg, env, model_config)
     ledger = {}
     engine_sleep(llm, cfg, env, ledger)
+    engine = SimpleNamespace(asleep=True, stale=True, info={})  # forces the first push and parity check
 
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
@@ -1213,16 +1213,26 @@ def train(cfg: Config, env, model_config, data):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    sync_info = sync_engine(llm, policy, env, probe_ids, ledger, step=start_step)  # also checks the push itself
+    def ready_engine(step, ledger):
+        """Before the engine generates: awake, and holding the trainer's weights (wake, push, parity check)."""
+        if engine.asleep or engine.stale:
+            engine.info = sync_engine(llm, policy, env, probe_ids, ledger, step)
+            engine.asleep = engine.stale = False
+
+    def rest_engine(ledger):
+        engine_sleep(llm, cfg, env, ledger)
+        engine.asleep = env.sleep
+
+    ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
-           f"gap {sync_info['parity_gap']:.2e}")
-    if cfg.eval_steps and start_step == 0:
+           f"gap {engine.info['parity_gap']:.2e}")
+    if cfg.eval_steps and start_step == 0:  # the base model's score
         base = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
         print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
         write_metrics({"step": 0, **base})
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="grpo")
-    batch, engine_stale, skipped_in_a_row, skipped_total = None, False, 0, 0
+    batch, skipped_in_a_row, skipped_total = None, 0, 0
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
         if env.device.type == "cuda":
@@ -1233,9 +1243,10 @@ def train(cfg: Config, env, model_config, data):
             rows = rows_for_step(train_rows, gen_index, env.rank, env.world, prompts_per_rank, cfg.seed)
             if step == start_step + 1:
                 check_distinct_shards(rows, env)
+            ready_engine(step, ledger)  # a no-op unless the last step was skipped: then it sleeps
             batch = rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger)
             device_used_gib(env, memory)  # the engine awake with its KV cache, beside the trainer's state
-            engine_sleep(llm, cfg, env, ledger)  # the trainer gets the GPU
+            rest_engine(ledger)  # the trainer gets the GPU
             # ======== frozen logprobs: only when something needs them (no extra forward otherwise) ========
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1:
@@ -1255,23 +1266,23 @@ def train(cfg: Config, env, model_config, data):
                                    "gradient; lower --learning_rate, check the reward functions for NaN/inf, or "
                                    f"resume from the last checkpoint in {cfg.output_dir}")
         else:
-            skipped_in_a_row, engine_stale = 0, True
+            skipped_in_a_row, engine.stale = 0, True
 
-        # ======== push: the engine gets the new weights before it generates again ========
-        if engine_stale and (step % cfg.num_iterations == 0 or step == cfg.max_steps):
-            sync_info = sync_engine(llm, policy, env, probe_ids, ledger, step)
-            engine_stale = False
+        # ======== push: the new weights go to the engine before it generates again ========
+        if engine.stale and (step % cfg.num_iterations == 0 or step == cfg.max_steps):
+            ready_engine(step, ledger)
 
         # ======== log ========
         m = None
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             m = {"step": step, "lr": lr, "skipped_steps": skipped_total,
-                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs)}
+                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, engine.info, reward_funcs)}
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, m))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
             eval_time = {}
             with timed(eval_time, "eval", env):
+                ready_engine(step, eval_time)  # awake already, unless mid-way through num_iterations
                 ev = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
             print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
