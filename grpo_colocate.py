@@ -296,11 +296,12 @@ def check_model(cfg: Config, model_config, world_size: int) -> None:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = "
                           f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
                           f"{context} tokens; shorten them")
-    if cfg.resume_from_checkpoint:
-        saved = torch.load(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt"), weights_only=False)
-        if saved["config"]["model"] != cfg.model:
+    if cfg.resume_from_checkpoint:  # the run's flags are saved beside the (large) optimizer state
+        with open(os.path.join(cfg.resume_from_checkpoint, "grpo_config.json")) as f:
+            saved = json.load(f)
+        if saved["model"] != cfg.model:
             raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} was trained from "
-                              f"{saved['config']['model']!r}, not --model {cfg.model!r}; pass the same --model")
+                              f"{saved['model']!r}, not --model {cfg.model!r}; pass the same --model")
 
 
 def load_model_config(cfg: Config):
@@ -1047,16 +1048,19 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> str:
-    """checkpoint-<step>/: the policy in HF format (fp32, loadable by transformers and vLLM), the tokenizer, and
-    trainer_state.pt (optimizer, scheduler, step, config). Written to a temp dir and renamed: atomic."""
+    """checkpoint-<step>/: the policy in HF format (fp32, loadable by transformers and vLLM), the tokenizer, the
+    flags (grpo_config.json) and trainer_state.pt (optimizer, scheduler, step). Written to a temp dir, renamed last:
+    a kill at any point leaves either the complete checkpoint or a .tmp dir that resume ignores."""
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     if env.is_main:
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         unwrap(policy).lm.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "config": asdict(cfg), "torch_rng": torch.get_rng_state()},
+        with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
+            json.dump(asdict(cfg), f, indent=1)
+        # no RNG state: data order and rollout seeds derive from (seed, step), and training draws no random numbers
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, "trainer_state.pt"))
         if os.path.exists(final):  # an older save of the same step: swap it out, then drop it
             os.replace(final, final + ".old")
