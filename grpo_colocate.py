@@ -283,7 +283,7 @@ def check_config(cfg: Config, world_size: int) -> None:
         need(False, "output_dir", f"cannot write to {cfg.output_dir!r} ({e.strerror}); pass a writable directory")
 
 
-def check_model(cfg: Config, model_config, world_size: int) -> None:
+def check_model(cfg: Config, model_config) -> None:
     """Checks that need the model's config (read before any process group, weights or engine exist)."""
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
@@ -773,12 +773,6 @@ def check_parity(llm, policy, probe_ids, env, step) -> float:
     return gap
 
 
-def engine_sleep(llm, cfg, env, ledger):
-    with timed(ledger, "sleep", env):
-        if env.sleep:
-            llm.sleep(level=cfg.vllm_sleep_level)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The policy: the HF model, wrapped so that DDP sees the one forward GRPO needs (per-token logprobs).
 # ----------------------------------------------------------------------------------------------------------------
@@ -1180,9 +1174,23 @@ def train(cfg: Config, env, model_config, data):
     G = cfg.num_generations
     prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
     llm = make_engine(cfg, env, model_config)
+    engine = SimpleNamespace(asleep=False, stale=True, info={})  # stale: forces the first push and parity check
+
+    def rest_engine(ledger):
+        """Free the engine's GPU memory for the trainer (sleep mode; a no-op on CPU)."""
+        with timed(ledger, "sleep", env):
+            if env.sleep:
+                llm.sleep(level=cfg.vllm_sleep_level)
+        engine.asleep = env.sleep
+
+    def ready_engine(step, ledger):
+        """Before the engine generates: awake, and holding the trainer's weights (wake, push, parity check)."""
+        if engine.asleep or engine.stale:
+            engine.info = sync_engine(llm, policy, env, probe_ids, ledger, step)
+            engine.asleep = engine.stale = False
+
     ledger = {}
-    engine_sleep(llm, cfg, env, ledger)
-    engine = SimpleNamespace(asleep=True, stale=True, info={})  # forces the first push and parity check
+    rest_engine(ledger)
 
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
@@ -1217,16 +1225,6 @@ def train(cfg: Config, env, model_config, data):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def ready_engine(step, ledger):
-        """Before the engine generates: awake, and holding the trainer's weights (wake, push, parity check)."""
-        if engine.asleep or engine.stale:
-            engine.info = sync_engine(llm, policy, env, probe_ids, ledger, step)
-            engine.asleep = engine.stale = False
-
-    def rest_engine(ledger):
-        engine_sleep(llm, cfg, env, ledger)
-        engine.asleep = env.sleep
-
     ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
@@ -1247,7 +1245,7 @@ def train(cfg: Config, env, model_config, data):
             rows = rows_for_step(train_rows, gen_index, env.rank, env.world, prompts_per_rank, cfg.seed)
             if step == start_step + 1:
                 check_distinct_shards(rows, env)
-            ready_engine(step, ledger)  # a no-op unless the last step was skipped: then it sleeps
+            ready_engine(step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
             batch = rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger)
             device_used_gib(env, memory)  # the engine awake with its KV cache, beside the trainer's state
             rest_engine(ledger)  # the trainer gets the GPU
@@ -1304,7 +1302,7 @@ def main(argv=None):
     try:  # bad input: one message, before any process group, model or engine exists
         cfg = parse_args(argv)
         model_config = load_model_config(cfg)
-        check_model(cfg, model_config, int(os.environ.get("WORLD_SIZE", "1")))
+        check_model(cfg, model_config)
         data = prepare_data(cfg)
     except ConfigError as e:  # identical on every rank: each exits without touching a collective
         if os.environ.get("RANK", "0") == "0":

@@ -346,14 +346,14 @@ SMOL_SHAPE = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, max_p
 ])
 def test_model_shape_checks(flags, flag):
     with pytest.raises(gc.ConfigError, match=flag):
-        gc.check_model(gc.Config(**flags), SMOL_SHAPE, 4)
-    gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE, 3)  # fine
+        gc.check_model(gc.Config(**flags), SMOL_SHAPE)
+    gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE)  # fine
 
 
 def test_resume_from_another_model(tmp_path):
     (tmp_path / "grpo_config.json").write_text(json.dumps({"model": "someone/else"}))
     with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
-        gc.check_model(gc.Config(resume_from_checkpoint=str(tmp_path)), SMOL_SHAPE, 1)
+        gc.check_model(gc.Config(resume_from_checkpoint=str(tmp_path)), SMOL_SHAPE)
 
 
 def data_config(tmp_path, rows, **flags):
