@@ -12,6 +12,7 @@
 """
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -27,6 +28,10 @@ SHAPES = {  # public configs of real models; the weights are random (mechanics a
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(hidden_size=5120, intermediate_size=27648, num_hidden_layers=64, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 
 
@@ -34,9 +39,10 @@ def make_model(shape, out, tokenizer_dir):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)
+    torch.set_default_dtype(torch.bfloat16)  # initialised in bf16 directly: a 32B shape fits one GPU
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         torch.manual_seed(0)
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(config)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
     print(f"{shape}: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params -> {out}")
@@ -139,15 +145,15 @@ def sleep_bench(out, argv):
               f"{t_weights:.3f}s + kv {t_kv:.3f}s", flush=True)
 
     # one real GRPO step, exactly as the trainer does it
-    lm = gc.load_lm(cfg.model, env)
-    policy = gc.wrap_policy(lm, env)
+    lm = gc.load_lm(cfg.model, env.device)
+    policy = gc.wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
     funcs, weights = gc.load_reward_funcs(cfg)
     probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
     ledger = {}
     llm.sleep(level=2)  # as the trainer does: the engine sleeps while the policy loads, then gets it pushed
-    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0)["parity_gap"]
+    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, cfg.weight_push_bucket_mb)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     batch = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 0, 0, 1, per_rank, cfg.seed), funcs,
                        weights, 0, ledger)
@@ -161,7 +167,7 @@ def sleep_bench(out, argv):
     report["parity_gap_level2_wake_without_push"] = gap
     report["skipped_push_caught"] = not gap <= gc.parity_tolerance(env.dtype)
     llm.sleep(level=2)
-    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1)["parity_gap"]
+    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1, cfg.weight_push_bucket_mb)["parity_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)
@@ -176,7 +182,9 @@ def summarize(name, metrics_path, standalone_path, skip=2):
     def med(key):
         values = [m[key] for m in steps if key in m]
         return statistics.median(values) if values else 0.0
-    alone = json.load(open(standalone_path))
+    alone = {"tokens_per_sec_per_gpu": math.nan}  # STANDALONE=0 runs have no standalone pass
+    if os.path.exists(standalone_path):
+        alone = json.load(open(standalone_path))
     step = med("time/step")
     phases = ["generate", "reward", "logprobs", "train", "optimizer", "push", "sleep", "parity"]
     split = {p: med(f"time/{p}") for p in phases}
@@ -190,6 +198,8 @@ def summarize(name, metrics_path, standalone_path, skip=2):
         "colocation_overhead": colocation / step, "not_generate_or_train": other / step,
         "mfu": med("mfu"), "peak_alloc_gib": max(m.get("memory/peak_allocated_gib", 0) for m in steps),
         "device_used_gib": max(m.get("memory/device_used_gib", 0) for m in steps),
+        "push_gb": med("push_gb"), "push_gb_per_s": med("push_gb") / max(split["push"], 1e-9),
+        "push_extra_gib": max(m.get("memory/push_extra_gib", 0) for m in steps),
     }
     print("| " + " | ".join([
         name, f"{step:.3f}", " / ".join(f"{split[p]:.3f}" for p in phases), f"{row['tok_s_gpu']:.0f}",

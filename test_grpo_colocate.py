@@ -291,6 +291,8 @@ def test_parse_args_types_and_bools():
     (["--lr_scheduler_type", "step"], "--lr_scheduler_type"),
     (["--save_steps", "3", "--num_iterations", "2"], "--save_steps"),
     (["--resume_from_checkpoint", "/nonexistent"], "--resume_from_checkpoint"),
+    (["--weight_push_bucket_mb", "0"], "--weight_push_bucket_mb"),
+    (["--fsdp_cpu_offload"], "--fsdp_cpu_offload"),  # without --fsdp
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -303,10 +305,14 @@ def test_bad_tp_for_world(monkeypatch):
         gc.parse_args(["--vllm_tensor_parallel_size", "3"])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
-def test_sleep_mode_refused_on_cpu():
-    with pytest.raises(gc.ConfigError, match="--vllm_enable_sleep_mode"):
-        gc.parse_args(["--vllm_enable_sleep_mode", "true"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
+@pytest.mark.parametrize("argv,flag", [
+    (["--vllm_enable_sleep_mode", "true"], "--vllm_enable_sleep_mode"),
+    (["--fsdp", "--fsdp_cpu_offload"], "--fsdp_cpu_offload"),
+])
+def test_gpu_only_flags_refused_on_cpu(argv, flag):
+    with pytest.raises(gc.ConfigError, match=flag):
+        gc.parse_args(argv)
 
 
 def test_dataset_file_missing(tmp_path):
@@ -419,7 +425,7 @@ def _save_twice_and_die(out, port):
     policy = gc.Policy(tiny_llama())
     optimizer = torch.optim.AdamW(policy.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    args = (gc.Config(output_dir=out), SimpleNamespace(is_main=True))
+    args = (gc.Config(output_dir=out), SimpleNamespace(is_main=True, device=torch.device("cpu")))
     rest = (policy, optimizer, scheduler, AutoTokenizer.from_pretrained(MODEL))
     gc.save_checkpoint(*args, 1, *rest)
     torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed half-way through the second save
@@ -500,6 +506,86 @@ def test_tp_gather_slice_four_ranks():
         partner = rank ^ 1
         assert seen == results[partner][2]  # both ranks of the group submitted identical requests
         assert len(seen) == len(mine) + len(results[partner][0])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FSDP2 vs DDP, 2 gloo ranks: same losses, same weights, and a sharded checkpoint that resumes exactly
+# ------------------------------------------------------------------------------------------------------------
+
+FSDP_VS_DDP = '''
+import json, os, sys, torch
+sys.path.insert(0, {here!r})
+import grpo_colocate as gc
+from types import SimpleNamespace
+flags = ["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "4", "--per_device_train_batch_size",
+         "4", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--weight_decay", "0.1",
+         "--max_grad_norm", "0.5", "--vllm_importance_sampling_correction", "false", "--weight_push_bucket_mb", "1"]
+ddp_cfg, fsdp_cfg = gc.parse_args(flags), gc.parse_args(flags + ["--fsdp", "--gradient_checkpointing"])
+env = gc.setup_distributed(ddp_cfg)
+torch.manual_seed(env.rank)  # each rank its own batch: 8 completions of random lengths
+prompts = [torch.randint(1, 60, (int(torch.randint(2, 6, ()).item()),)).tolist() for _ in range(8)]
+completions = [torch.randint(1, 60, (int(torch.randint(1, 7, ()).item()),)).tolist() for _ in range(8)]
+input_ids, attention, completion_mask = gc.collate(prompts, completions, pad_id=0)
+batch = SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+                        loss_mask=completion_mask.float(), advantages=torch.randn(8), vllm_logps=None,
+                        old_logps=None, ref_logps=None)
+
+def build(cfg, path):
+    policy = gc.wrap_policy(gc.load_lm(path, "cpu"), env, cfg)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    return policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
+
+def weights(policy):  # full fp32 tensors, gathered through the push's own bucketed path
+    return {{n: t.clone() for n, t in gc.full_weights(gc.unwrap(policy).lm, torch.float32, env.device, 1 << 20)}}
+
+def steps(run, cfg, n):
+    return [gc.train_step(*run, batch, cfg, env, {{}}) for _ in range(n)]
+
+ddp, fsdp = build(ddp_cfg, {model!r}), build(fsdp_cfg, {model!r})
+result = {{"sharded": all(isinstance(p, gc.DTensor) for p in fsdp[0].parameters())}}
+result["ddp"], result["fsdp"] = steps(ddp, ddp_cfg, 2), steps(fsdp, fsdp_cfg, 2)
+base, w_ddp, w_fsdp = weights(build(ddp_cfg, {model!r})[0]), weights(ddp[0]), weights(fsdp[0])
+result["max_weight_diff"] = max((w_ddp[n] - w_fsdp[n]).abs().max().item() for n in w_ddp)
+result["min_weight_move"] = min((w_ddp[n] - base[n]).abs().max().item() for n in w_ddp)
+ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, *fsdp, gc.load_tokenizer({model!r}))  # sharded -> HF + DCP
+resumed = build(fsdp_cfg, ckpt)
+gc.load_optimizer(ckpt, resumed[0], resumed[1])
+resumed[2].load_state_dict(torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["scheduler"])
+result["resumed_weight_diff"] = max((weights(resumed[0])[n] - w_fsdp[n]).abs().max().item() for n in w_fsdp)
+result["step3_fsdp"], result["step3_resumed"] = steps(fsdp, fsdp_cfg, 1), steps(resumed, fsdp_cfg, 1)
+result["step3_ddp"] = steps(ddp, ddp_cfg, 1)
+if env.rank == 0:
+    print("RESULT", json.dumps(result))
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tmp_path):
+    """2 optimizer steps with DDP and with FSDP2 (+ activation checkpointing) from the same weights on the same
+    per-rank batches: the same losses and the same updated weights to fp32 tolerance. Then the FSDP2 run's
+    checkpoint (full HF weights gathered to rank 0, AdamW shards through torch.distributed.checkpoint) resumes to
+    the same weights and the same third step."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama().save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
+    script = tmp_path / "fsdp_vs_ddp.py"
+    script.write_text(FSDP_VS_DDP.format(here=HERE, model=model_dir, out=str(tmp_path / "out")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    r = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert r["sharded"]
+    for ddp, fsdp in zip(r["ddp"] + r["step3_ddp"], r["fsdp"] + r["step3_fsdp"]):
+        for key in ("loss", "grad_norm", "clip_ratio/region", "entropy"):
+            assert close(ddp[key], fsdp[key], 1e-5), (key, ddp[key], fsdp[key])
+    assert r["min_weight_move"] > 1e-4  # every tensor was updated (lr 1e-3)...
+    assert r["max_weight_diff"] < 1e-5  # ...and identically by both
+    assert r["resumed_weight_diff"] == 0.0  # the checkpoint holds the exact fp32 masters
+    for key in ("loss", "grad_norm", "entropy"):
+        assert close(r["step3_resumed"][0][key], r["step3_fsdp"][0][key], 1e-6), key
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -607,10 +693,11 @@ def test_e2e_resume_reproduces_step_two(two_rank_run, tmp_path):
 
 
 def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
-    """tp=2 on 2 ranks (one engine over both), with the non-default paths: a local dataset with other column
-    names, beta > 0 (reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards, token-level
-    truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule, fixed-length
-    generations."""
+    """tp=2 on 2 ranks (one engine over both), with the non-default paths: FSDP2 with activation checkpointing and a
+    1 MB push bucket (every rank gathers full tensors for the shared engine), a local dataset with other column
+    names, beta > 0 (a sharded reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards,
+    token-level truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule,
+    fixed-length generations."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
@@ -622,18 +709,21 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         for i in range(40):
             f.write(json.dumps({"question": f"What is {i} + 1?", "solution": f"{i} + 1 = {i + 1}\n#### {i + 1}"}) + "\n")
     out = str(tmp_path / "out")
-    run_trainer(["--model", model_dir, "--vllm_tensor_parallel_size", "2", "--dataset", str(data),
-                 "--prompt_column", "question", "--answer_column", "solution", "--num_eval", "4",
-                 "--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-                 "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos",
-                 "--max_steps", "2", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
-                 "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
-                 "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
-                 "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
-                 "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
-                 "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
-                 "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
-                 "--logging_steps", "2", "--save_steps", "-1", "--output_dir", out])
+    proc = run_trainer([
+        "--model", model_dir, "--vllm_tensor_parallel_size", "2", "--fsdp", "--gradient_checkpointing",
+        "--weight_push_bucket_mb", "1", "--dataset", str(data),
+        "--prompt_column", "question", "--answer_column", "solution", "--num_eval", "4",
+        "--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+        "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos",
+        "--max_steps", "2", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
+        "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
+        "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
+        "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
+        "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
+        "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
+        "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
+        "--logging_steps", "2", "--save_steps", "-1", "--output_dir", out])
+    assert "trainer FSDP2 + activation checkpointing" in proc.stdout
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
@@ -705,9 +795,9 @@ cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--num_gener
 env = gc.setup_distributed(cfg)
 tokenizer, rows, eval_rows = gc.prepare_data(cfg)
 llm = gc.make_engine(cfg, env, gc.load_model_config(cfg))
-policy = gc.wrap_policy(gc.load_lm(cfg.model, env), env)
+policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
 probe = eval_rows[0]["prompt_ids"] + tokenizer("#### 1", add_special_tokens=False)["input_ids"]
-result = {{"fresh": gc.sync_engine(llm, policy, env, probe, {{}}, 0)["parity_gap"]}}
+result = {{"fresh": gc.sync_engine(llm, policy, env, probe, {{}}, 0, 1)["parity_gap"]}}
 
 def sample(seed):  # the rollout seeding the trainer uses
     torch.manual_seed(gc.derive_seed(seed, "rollout", 0, env.engine_index))
@@ -727,8 +817,13 @@ try:
     result["stale_caught"] = False
 except RuntimeError as e:
     result["stale_caught"] = "step 7" in str(e)
-gc.push_weights(llm, gc.unwrap(policy).lm, env)
+gc.push_weights(llm, gc.unwrap(policy).lm, env, 1)  # 1 MB buckets: most buckets hold a tensor or two
 result["after_push"] = gc.check_parity(llm, policy, probe, env, step=7)
+lm = gc.unwrap(policy).lm  # the tensors the CPU backend keeps unpacked, compared exactly
+engine = llm.apply_model(lambda m: [m.model.embed_tokens.weight.clone(), m.model.norm.weight.clone(),
+                                    m.model.layers[0].input_layernorm.weight.clone()])[0]
+result["weights_equal"] = all(torch.equal(a, b.detach()) for a, b in zip(engine, [
+    lm.model.embed_tokens.weight, lm.model.norm.weight, lm.model.layers[0].input_layernorm.weight]))
 print("RESULT", json.dumps(result))
 del llm
 torch.distributed.destroy_process_group()
@@ -743,5 +838,5 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
     assert proc.returncode == 0, proc.stderr[-5000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
     assert result["fresh"] < 1e-4 and result["after_push"] < 1e-4
-    assert result["stale_caught"]
+    assert result["stale_caught"] and result["weights_equal"]
     assert result["same_seed_same_rollout"] and result["other_seed_other_rollout"]
