@@ -153,7 +153,8 @@ def sleep_bench(out, argv):
     probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
     ledger = {}
     llm.sleep(level=2)  # as the trainer does: the engine sleeps while the policy loads, then gets it pushed
-    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, cfg.weight_push_bucket_mb)["parity_gap"]
+    bucket = cfg.weight_push_bucket_mb
+    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, bucket)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     batch = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 0, 0, 1, per_rank, cfg.seed), funcs,
                        weights, 0, ledger)
@@ -167,7 +168,7 @@ def sleep_bench(out, argv):
     report["parity_gap_level2_wake_without_push"] = gap
     report["skipped_push_caught"] = not gap <= gc.parity_tolerance(env.dtype)
     llm.sleep(level=2)
-    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1, cfg.weight_push_bucket_mb)["parity_gap"]
+    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1, bucket)["parity_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)
@@ -210,27 +211,31 @@ def summarize(name, metrics_path, standalone_path, skip=2):
 
 
 def plot(out, runs):
+    """Training reward (10-step trailing mean over the raw line) per run, and held-out accuracy where a run has it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
-        label, path = run.split("=", 1)
-        records = [json.loads(line) for line in open(path)]
-        steps = [r for r in records if "reward" in r]
+    records = {run.split("=", 1)[0]: [json.loads(line) for line in open(run.split("=", 1)[1])] for run in runs}
+    with_eval = any("eval/accuracy_reward" in r for rs in records.values() for r in rs)
+    fig, axes = plt.subplots(1, 2 if with_eval else 1, figsize=(11 if with_eval else 6.5, 4), squeeze=False)
+    left = axes[0][0]
+    for label, rs in records.items():
+        steps = [r for r in rs if "reward" in r]
         x, y = [r["step"] for r in steps], [r["reward"] for r in steps]
         smooth = [statistics.mean(y[max(0, i - 9):i + 1]) for i in range(len(y))]  # trailing mean of 10 steps
         line, = left.plot(x, smooth, label=label)
         left.plot(x, y, color=line.get_color(), alpha=0.2, linewidth=0.8)
-        evals = [(r["step"], r["eval/accuracy_reward"]) for r in records if "eval/accuracy_reward" in r]
-        right.plot(*zip(*evals), marker="o", color=line.get_color(), label=label)
-    left.set(xlabel="step", ylabel="training reward (mean of 256 completions)", title="reward (10-step mean)")
-    right.set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy (256 problems)", ylim=(0, 1))
-    for ax in (left, right):
+        evals = [(r["step"], r["eval/accuracy_reward"]) for r in rs if "eval/accuracy_reward" in r]
+        if with_eval and evals:
+            axes[0][1].plot(*zip(*evals), marker="o", color=line.get_color(), label=label)
+    left.set(xlabel="step", ylabel="training reward (mean of the step's completions)", title="reward (10-step mean)")
+    if with_eval:
+        axes[0][1].set(xlabel="step", ylabel="greedy accuracy", title="held-out accuracy", ylim=(0, 1))
+    for ax in axes[0]:
         ax.grid(alpha=0.3)
-    right.legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(out)

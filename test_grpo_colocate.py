@@ -600,7 +600,7 @@ REQUIRED_KEYS = [
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
     "grad_norm", "logprob_gap", "is_weight/mean", "parity_gap", "time/generate", "time/reward", "time/logprobs",
-    "time/train", "time/optimizer", "time/push", "time/sleep", "time/step", "tokens_per_sec_per_gpu",
+    "time/train", "time/optimizer", "time/push", "time/sleep", "time/other", "time/step", "tokens_per_sec_per_gpu",
 ]
 NOT_REPRODUCIBLE = ("time/", "tokens_per_sec", "generate_tokens_per_sec")
 
