@@ -1329,9 +1329,8 @@ def train(cfg: Config, env, model_config, data):
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
 
-    trainer = ("FSDP2" + (" + CPU offload" if cfg.fsdp_cpu_offload else "") if cfg.fsdp
-               else "DDP" if env.world > 1 else "1 process") + (" + activation checkpointing"
-                                                                 if cfg.gradient_checkpointing else "")
+    trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + \
+        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * cfg.gradient_checkpointing
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions = "

@@ -107,8 +107,8 @@ if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then
       [ -f "$model/config.json" ] || "$PY" bench.py make-model "${name%-shape}" "$model" "$MODEL_DIR" ;;
     *) echo "unknown model $name"; exit 2 ;;
   esac
-  tag=$(echo "$mode $* ${TRL_FLAGS:-}" | tr -c 'a-zA-Z0-9._\n-' _ | cut -c1-60)
-  out=outputs/bench/$name-gpus$nproc-$tag-$(echo "$mode $* ${TRL_FLAGS:-}" | md5sum | cut -c1-6)  # stay distinct
+  label="$mode $* ${TRL_FLAGS:-}"  # a readable prefix, and a hash so that long flag lists stay distinct
+  out=outputs/bench/$name-gpus$nproc-$(echo "$label" | tr -c 'a-zA-Z0-9._\n-' _ | cut -c1-60)-$(echo "$label" | md5sum | cut -c1-6)
   rm -rf "$out" && mkdir -p "$out"
   flags=(--model "$model" --num_generations 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 8
          --max_prompt_length 128 --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0
