@@ -22,6 +22,14 @@ One step (one optimizer update; see "the step" near the end):
     push       wake the engine's weights, copy the trained weights in, wake its KV cache, check parity
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
+Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the scheduler and the data position (the
+prompts all ranks have drawn). The data is one stream, epoch after epoch of rows shuffled by --seed; each
+generation takes the next slice of it, rank r the r-th part, and completion j of the prompt at position i is sampled
+with its own seed (from --seed, i and j). So a resumed run continues at the same position whatever its number of
+GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
+GPU (on another number of GPUs, GPU kernels may round a bigger or smaller batch differently: rare tokens can
+differ). A checkpoint taken mid-way through a num_iterations cycle resumes with a fresh generation.
+
 What is implemented, honestly:
     GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
         reference (beta > 0), num_iterations > 1 reuses a generation batch against frozen old logprobs.
@@ -275,9 +283,6 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
-    need(cfg.save_steps <= 0 or cfg.save_steps % cfg.num_iterations == 0, "save_steps",
-         f"{cfg.save_steps} is not a multiple of num_iterations={cfg.num_iterations}: a checkpoint must fall on "
-         "a generation boundary to be resumable")
     need(not cfg.resume_from_checkpoint or os.path.isfile(os.path.join(cfg.resume_from_checkpoint,
                                                                        "trainer_state.pt")),
          "resume_from_checkpoint", f"{cfg.resume_from_checkpoint!r} holds no trainer_state.pt; pass a "
@@ -605,12 +610,14 @@ def load_tokenizer(path):
     return tokenizer
 
 
-def check_distinct_shards(rows, env):
-    """Once, at the first rollout: every rank must train on its own prompts (one all_gather of a hash each)."""
+def check_distinct_shards(positions, env):
+    """Once, at the first rollout: no two ranks may take the same position of the data stream (one all_gather of
+    the positions; the prompts themselves may repeat, as in a one-prompt task)."""
     everyone = [None] * env.world
-    dist.all_gather_object(everyone, hashlib.sha256(repr([r["prompt_ids"] for r in rows]).encode()).hexdigest())
-    if len(set(everyone)) < env.world:
-        raise RuntimeError("two ranks were given the same prompts: the data sharding is broken")
+    dist.all_gather_object(everyone, list(positions))
+    taken = [i for rank_positions in everyone for i in rank_positions]
+    if len(set(taken)) < len(taken):
+        raise RuntimeError("two ranks were given the same data positions: the data sharding is broken")
 
 
 def encode_prompt(tokenizer, prompt) -> list[int]:
@@ -650,15 +657,13 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch))).tolist()
 
 
-def rows_for_step(rows, gen_index: int, rank: int, world: int, per_rank: int, seed: int):
-    """This rank's prompts for generation batch `gen_index`. The order is a pure function of (seed, epoch), so a
-    resumed run needs no data-loader state; ranks take disjoint consecutive slices of the shuffled order."""
-    start = (gen_index * world + rank) * per_rank
-    picked = []
-    for i in range(start, start + per_rank):
-        epoch, j = divmod(i, len(rows))
-        picked.append(rows[epoch_permutation(len(rows), seed, epoch)[j]])
-    return picked
+def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
+    """This rank's prompts for a generation that starts at global `position` of the data stream: epoch after epoch
+    of shuffled rows, each order a pure function of (seed, epoch). Rank r takes positions [position + r per_rank,
+    position + (r + 1) per_rank), so the ranks together take one contiguous slice whatever their number, and a
+    resumed run needs only the position. Returns (positions, rows)."""
+    positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
+    return positions, [rows[epoch_permutation(len(rows), seed, i // len(rows))[i % len(rows)]] for i in positions]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -720,14 +725,20 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
                           logprobs=0 if logprobs else None, flat_logprobs=True)
 
 
-def generate(llm, env, prompt_ids: list[list[int]], params) -> list:
-    """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside)."""
+def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None) -> list:
+    """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside). seeds: one per prompt;
+    vLLM samples the n completions of prompt i from their own generators seeded seeds[i], seeds[i] + 1, ...: the
+    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it), or the rank."""
+    from msgspec.structs import replace  # SamplingParams is a msgspec struct
+
     def run(requests):
-        return llm.generate([{"prompt_token_ids": ids} for ids in requests], params, use_tqdm=False)
+        return llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
+                            [params if s is None else replace(params, seed=s) for _, s in requests], use_tqdm=False)
 
     def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
         return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
-    return tp_generate(run, prompt_ids, env.tp_group, env.tp, fingerprint)
+    return tp_generate(run, list(zip(prompt_ids, seeds or [None] * len(prompt_ids))), env.tp_group, env.tp,
+                       fingerprint)
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -962,14 +973,16 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int)
     return input_ids, attention_mask, attention_mask[:, P:].clone()
 
 
-def rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger):
-    """Generate G completions per prompt, score them and compute advantages. Returns this rank's batch."""
+def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
+    """Generate G completions per prompt, score them and compute advantages. Returns this rank's batch.
+    positions: the rows' global data positions, which seed their samples."""
     G, need_logprobs = cfg.num_generations, cfg.vllm_importance_sampling_correction
     with timed(ledger, "generate", env):
-        # one seed per (run seed, generation, engine): reproducible on resume, identical across a TP group,
-        # different across engines and run seeds. vLLM samples from this process's default generator.
-        torch.manual_seed(derive_seed(cfg.seed, "rollout", gen_index, env.engine_index))
-        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], sampling_params(cfg, logprobs=need_logprobs))
+        # completion j of the prompt at data position i has its own seed, base + G i + j: a pure function of (run
+        # seed, position), so a resume on any number of GPUs samples the same tokens, and no two completions share one
+        seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
+        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], sampling_params(cfg, logprobs=need_logprobs),
+                           seeds)
     samples = [c for out in outputs for c in out.outputs]  # N = len(rows) * G, grouped by prompt
     completion_ids = [list(c.token_ids) for c in samples]
 
@@ -1135,12 +1148,12 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
     return {f"eval/{fn.__name__}": m for fn, m in zip(reward_funcs, means)}
 
 
-def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> str:
+def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position: int) -> str:
     """checkpoint-<step>/: the policy in HF format (fp32 full tensors gathered to rank 0, loadable by transformers
     and vLLM), the tokenizer, the flags (grpo_config.json), the AdamW state (optimizer/, torch.distributed.checkpoint:
     every rank writes its own shard, and a DDP checkpoint resumes under FSDP2 or another world size) and
-    trainer_state.pt (scheduler, step). Written to a temp dir and renamed last: a kill at any point leaves either
-    the complete checkpoint or a .tmp dir that resume ignores."""
+    trainer_state.pt (step, data position, scheduler: plain numbers). Written to a temp dir and renamed last: a kill
+    at any point leaves either the complete checkpoint or a .tmp dir that resume ignores."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1161,8 +1174,9 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> 
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
-        # no RNG state: data order and rollout seeds derive from (seed, step), and training draws no random numbers
-        torch.save({"step": step, "scheduler": scheduler.state_dict()}, os.path.join(tmp, "trainer_state.pt"))
+        # no RNG state: data order and rollout seeds derive from (seed, data position), and training draws none
+        torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict()},
+                   os.path.join(tmp, "trainer_state.pt"))
         if os.path.exists(final):  # an older save of the same step: swap it out, then drop it
             os.replace(final, final + ".old")
         os.replace(tmp, final)
@@ -1278,10 +1292,10 @@ def log_line(step, max_steps, m) -> str:
 def train(cfg: Config, env, model_config, data):
     from tqdm import tqdm
 
-    start_step, state = 0, None
+    start_step, data_position, state = 0, 0, None  # data_position: prompts drawn so far, by all ranks together
     if cfg.resume_from_checkpoint:
         state = torch.load(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt"), weights_only=False)
-        start_step = state["step"]
+        start_step, data_position = state["step"], state["data_position"]
 
     # ---- data (loaded and checked in main, before the process group) ----
     tokenizer, train_rows, eval_rows = data
@@ -1358,20 +1372,22 @@ def train(cfg: Config, env, model_config, data):
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="grpo")
     batch, skipped_in_a_row, skipped_total = None, 0, 0
+    iteration = cfg.num_iterations  # optimizer steps taken on the current batch: none yet, so generate first
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         synchronize(env)
         step_start = time.perf_counter()
-        gen_index = (step - 1) // cfg.num_iterations
-        if (step - 1) % cfg.num_iterations == 0:
+        if iteration == cfg.num_iterations:  # (a resumed run starts here too, even mid-way through a cycle)
             # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
-            rows = rows_for_step(train_rows, gen_index, env.rank, env.world, prompts_per_rank, cfg.seed)
-            if step == start_step + 1:
-                check_distinct_shards(rows, env)
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_per_rank, cfg.seed)
+            if batch is None:
+                check_distinct_shards(positions, env)
+            data_position += env.world * len(rows)  # the prompts all ranks drew for this generation
+            iteration = 0
             ready_engine(step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
-            batch = rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_index, ledger)
+            batch = rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer's state
             rest_engine(ledger)  # the trainer gets the GPU
             # ======== frozen logprobs: only when something needs them (no extra forward otherwise) ========
@@ -1394,9 +1410,16 @@ def train(cfg: Config, env, model_config, data):
                                    f"resume from the last checkpoint in {cfg.output_dir}")
         else:
             skipped_in_a_row, engine.stale = 0, True
+        iteration += 1
+
+        # ======== save: first, so that a failure in the push, parity check or eval below keeps it ========
+        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
+            with timed(ledger, "save", env):
+                path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position)
+            print0(f"saved {path}")
 
         # ======== push: the new weights go to the engine before it generates again ========
-        if engine.stale and (step % cfg.num_iterations == 0 or step == cfg.max_steps):
+        if engine.stale and (iteration == cfg.num_iterations or step == cfg.max_steps):
             ready_engine(step, ledger)
 
         # ======== log ========
@@ -1417,9 +1440,6 @@ def train(cfg: Config, env, model_config, data):
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:
             write_metrics(m)
-        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
-            path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer)
-            print0(f"saved {path}")
         bar.update(1)
     bar.close()
     return llm
