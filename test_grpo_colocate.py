@@ -11,6 +11,7 @@ No mocks of vLLM or the model in the end-to-end tests.
 import json
 import math
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -357,9 +358,72 @@ def test_model_shape_checks(flags, flag):
 
 
 def test_resume_from_another_model(tmp_path):
+    genuine_checkpoint(tmp_path)
     (tmp_path / "grpo_config.json").write_text(json.dumps({"model": "someone/else"}))
     with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
         gc.check_model(gc.Config(resume_from_checkpoint=str(tmp_path)), SMOL_SHAPE)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# loading never runs code from a checkpoint or a model (issue 18)
+# ------------------------------------------------------------------------------------------------------------
+
+def genuine_checkpoint(path):
+    """What save_checkpoint writes for the optimizer and the trainer state: DCP files and trainer_state.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    lm = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(gc.Config(max_steps=10)))
+    lm(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(path / "optimizer"), no_dist=True)
+    torch.save({"step": 1, "scheduler": scheduler.state_dict()}, path / "trainer_state.pt")
+
+
+class WritesAMarker:
+    """Unpickling this runs code: it writes a file (what a crafted checkpoint could do instead)."""
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+@pytest.mark.parametrize("crafted", ["trainer_state.pt", "optimizer/.metadata"])
+def test_a_crafted_checkpoint_is_refused_before_any_engine(tmp_path, crafted):
+    ckpt, marker = tmp_path / "checkpoint-1", tmp_path / "marker"
+    ckpt.mkdir()
+    genuine_checkpoint(ckpt)
+    assert gc.read_checkpoint_state(str(ckpt))["step"] == 1  # the genuine one reads (LambdaLR's state is numbers)
+    if crafted == "trainer_state.pt":
+        torch.save({"step": 1, "scheduler": WritesAMarker(marker)}, ckpt / crafted)
+    else:  # torch.distributed.checkpoint itself reads this one with a plain pickle.load
+        (ckpt / crafted).write_bytes(pickle.dumps(WritesAMarker(marker)))
+    with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint: .* loading it could run code"):
+        gc.check_model(gc.Config(resume_from_checkpoint=str(ckpt)), SMOL_SHAPE)  # main()'s check stage
+    assert not marker.exists()
+
+
+def test_a_model_with_its_own_code_is_refused_unless_trusted(tmp_path):
+    marker = tmp_path / "marker"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "custom_arch", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    (tmp_path / "configuration_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PretrainedConfig\n\n\n"
+        "class CustomConfig(PretrainedConfig):\n    model_type = 'custom_arch'\n")
+    with pytest.raises(gc.ConfigError, match="--model: .*--trust_remote_code"):
+        gc.load_model_config(gc.parse_args(["--model", str(tmp_path)]))
+    assert not marker.exists()
+    cfg = gc.parse_args(["--model", str(tmp_path), "--trust_remote_code"])  # the deliberate opt-in
+    assert type(gc.load_model_config(cfg)).__name__ == "CustomConfig" and marker.exists()
+
+
+def test_pickled_weights_are_refused(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(gc.ConfigError, match="--model: .*safetensors"):
+        gc.check_model(gc.Config(model=str(tmp_path)), SMOL_SHAPE)
 
 
 def data_config(tmp_path, rows, **flags):
@@ -550,7 +614,7 @@ result["min_weight_move"] = min((w_ddp[n] - base[n]).abs().max().item() for n in
 ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, *fsdp, gc.load_tokenizer({model!r}))  # sharded -> HF + DCP
 resumed = build(fsdp_cfg, ckpt)
 gc.load_optimizer(ckpt, resumed[0], resumed[1])
-resumed[2].load_state_dict(torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["scheduler"])
+resumed[2].load_state_dict(gc.read_checkpoint_state(ckpt)["scheduler"])  # checks the DCP metadata of FSDP2 too
 result["resumed_weight_diff"] = max((weights(resumed[0])[n] - w_fsdp[n]).abs().max().item() for n in w_fsdp)
 result["step3_fsdp"], result["step3_resumed"] = steps(fsdp, fsdp_cfg, 1), steps(resumed, fsdp_cfg, 1)
 result["step3_ddp"] = steps(ddp, ddp_cfg, 1)
@@ -672,7 +736,7 @@ def test_e2e_policy_changed_and_checkpoint_loads_in_transformers(two_rank_run):
     base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     moved = [n for (n, p), (_, q) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
     assert len(moved) > 100  # nearly every tensor moved
-    assert torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["step"] == 2
+    assert gc.read_checkpoint_state(ckpt)["step"] == 2
     assert json.load(open(os.path.join(ckpt, "grpo_config.json")))["model"] == MODEL
 
 
