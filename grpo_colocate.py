@@ -282,10 +282,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.save_steps <= 0 or cfg.save_steps % cfg.num_iterations == 0, "save_steps",
          f"{cfg.save_steps} is not a multiple of num_iterations={cfg.num_iterations}: a checkpoint must fall on "
          "a generation boundary to be resumable")
-    need(not cfg.resume_from_checkpoint or os.path.isfile(os.path.join(cfg.resume_from_checkpoint,
-                                                                       "trainer_state.pt")),
-         "resume_from_checkpoint", f"{cfg.resume_from_checkpoint!r} holds no trainer_state.pt; pass a "
-         "checkpoint-<step> directory written by this script")
+    if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
+        read_checkpoint_state(cfg.resume_from_checkpoint)
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
@@ -324,7 +322,6 @@ def check_model(cfg: Config, model_config) -> None:
         raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
                           "when loaded and are refused: convert them to safetensors")
     if cfg.resume_from_checkpoint:  # the run's flags are saved beside the (large) optimizer state
-        read_checkpoint_state(cfg.resume_from_checkpoint)  # refuses a crafted checkpoint before any engine starts
         with open(os.path.join(cfg.resume_from_checkpoint, "grpo_config.json")) as f:
             saved = json.load(f)
         if saved["model"] != cfg.model:
@@ -351,9 +348,9 @@ def read_checkpoint_state(path: str) -> dict:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
         return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-    except (pickle.UnpicklingError, OSError, RuntimeError) as e:
-        raise ConfigError(f"--resume_from_checkpoint: {path} is refused: loading it could run code, or it is damaged "
-                          f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    except (pickle.UnpicklingError, OSError, RuntimeError) as e:  # (loading anything else could run code)
+        raise ConfigError(f"--resume_from_checkpoint: {path} is no checkpoint-<step> directory written by this script "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]}); pass one that is") from None
 
 
 def load_model_config(cfg: Config):
@@ -363,9 +360,8 @@ def load_model_config(cfg: Config):
         return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         if "trust_remote_code" in str(e):
-            raise ConfigError(f"--model: {cfg.model!r} needs Python code of its own to load (auto_map in its config), "
-                              "which this script does not run by default; read that code, and pass "
-                              "--trust_remote_code only if you trust it") from None
+            raise ConfigError(f"--model: {cfg.model!r} ships Python code that loading it would run (auto_map in its "
+                              "config); read that code, and pass --trust_remote_code if you trust it") from None
         raise ConfigError(f"--model: cannot load {cfg.model!r} ({str(e).splitlines()[0]}); pass a local HF "
                           "directory, or a hub id with hub access (see README, Troubleshooting)") from None
 
@@ -1477,6 +1473,8 @@ def check_inputs(argv=None):
     """Bad input: one message, before any process group, model or engine exists (run.sh runs this alone first)."""
     try:
         cfg = parse_args(argv)
+        for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS") * (not cfg.verbose):
+            os.environ.setdefault(key, "1")  # no loading/saving bars (transformers, datasets), read at their import
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
         return cfg, model_config, prepare_data(cfg)
@@ -1488,8 +1486,6 @@ def check_inputs(argv=None):
 
 def main(argv=None):
     cfg, model_config, data = check_inputs(argv)
-    if not cfg.verbose:  # transformers' "Loading weights" / "Writing model shards" bars
-        importlib.import_module("transformers").utils.logging.disable_progress_bar()
     env = setup_distributed(cfg)
     try:
         llm = train(cfg, env, model_config, data)
