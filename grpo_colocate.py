@@ -331,10 +331,11 @@ def check_model(cfg: Config, model_config) -> None:
 
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickling calls whatever a pickle names: allow only dtypes and the records of DCP's .metadata (a pickle)."""
-    ALLOWED = {"torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath", *(f"torch.distributed.checkpoint."
-               f"{n}" for n in ("filesystem._StorageInfo", *(f"metadata.{m}" for m in ("Metadata", "MetadataIndex",
-               "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-               "TensorProperties", "_MEM_FORMAT_ENCODING"))))}
+    ALLOWED = {"torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath",
+               "torch.distributed.checkpoint.filesystem._StorageInfo"} | {
+        f"torch.distributed.checkpoint.metadata.{name}" for name in ("Metadata", "MetadataIndex", "StorageMeta",
+            "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "_MEM_FORMAT_ENCODING")}
 
     def find_class(self, module, name):
         if f"{module}.{name}" in self.ALLOWED or module == "torch" and isinstance(getattr(torch, name, 0), torch.dtype):
@@ -343,7 +344,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_checkpoint_state(path: str) -> dict:
-    """trainer_state.pt (step, scheduler: plain numbers), once no pickle of the checkpoint is found to hold code."""
+    """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
+    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code from it."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
