@@ -53,8 +53,10 @@ import functools
 import hashlib
 import importlib
 import json
+import logging
 import math
 import os
+import pickle
 import random
 import shutil
 import socket
@@ -109,6 +111,7 @@ def arg(default, help):
 class Config:
     # model and data
     model: str = arg(DEFAULT_MODEL, "policy: a hub id or a local HF dir (default: the embedded SmolLM2-135M-Instruct)")
+    trust_remote_code: bool = arg(False, "run Python code that --model ships (auto_map in its config): if you trust it")
     dataset: str = arg("arithmetic", "'arithmetic' (built-in, offline), a hub dataset ('name' or 'name:config'), "
                        "or a local .json/.jsonl/.parquet/.csv file")
     dataset_split: str = arg("train", "split of --dataset to train on")
@@ -176,6 +179,7 @@ class Config:
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
     resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from, or 'latest' (the newest complete "
                                       "one in --output_dir)")
+    verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and the loading progress bars")
 
 
 def str2bool(value: str) -> bool:
@@ -188,7 +192,7 @@ def str2bool(value: str) -> bool:
 
 def parse_args(argv=None) -> Config:
     """Every Config field becomes a --flag of its type; bools take true/false (a bare --flag means true)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(prog="grpo_colocate.py", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         kind, default = f.type, (f.default_factory() if callable(f.default_factory) else f.default)
@@ -283,10 +287,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
-    need(not cfg.resume_from_checkpoint or os.path.isfile(os.path.join(cfg.resume_from_checkpoint,
-                                                                       "trainer_state.pt")),
-         "resume_from_checkpoint", f"{cfg.resume_from_checkpoint!r} holds no trainer_state.pt; pass a "
-         "checkpoint-<step> directory written by this script")
+    if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
+        read_checkpoint_state(cfg.resume_from_checkpoint)
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
@@ -321,6 +323,9 @@ def check_model(cfg: Config, model_config) -> None:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = "
                           f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
                           f"{context} tokens; shorten them")
+    if os.path.isdir(cfg.model) and not any(f.endswith(".safetensors") for f in os.listdir(cfg.model)):
+        raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
+                          "when loaded and are refused: convert them to safetensors")
     if cfg.resume_from_checkpoint:  # the run's flags are saved beside the (large) optimizer state
         with open(os.path.join(cfg.resume_from_checkpoint, "grpo_config.json")) as f:
             saved = json.load(f)
@@ -329,12 +334,41 @@ def check_model(cfg: Config, model_config) -> None:
                               f"{saved['model']!r}, not --model {cfg.model!r}; pass the same --model")
 
 
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickling calls whatever a pickle names: allow only dtypes and the records of DCP's .metadata (a pickle)."""
+    ALLOWED = {"torch.Size", "torch.serialization._get_layout", "pathlib.PosixPath",
+               "torch.distributed.checkpoint.filesystem._StorageInfo"} | {
+        f"torch.distributed.checkpoint.metadata.{name}" for name in ("Metadata", "MetadataIndex", "StorageMeta",
+            "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+            "_MEM_FORMAT_ENCODING")}
+
+    def find_class(self, module, name):
+        if f"{module}.{name}" in self.ALLOWED or module == "torch" and isinstance(getattr(torch, name, 0), torch.dtype):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def read_checkpoint_state(path: str) -> dict:
+    """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
+    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code from it."""
+    try:
+        with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
+            MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
+        return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+    except (pickle.UnpicklingError, OSError, RuntimeError) as e:  # (loading anything else could run code)
+        raise ConfigError(f"--resume_from_checkpoint: {path} is no checkpoint-<step> directory written by this script "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]}); pass one that is") from None
+
+
 def load_model_config(cfg: Config):
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(cfg.model)
+        return AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
+        if "trust_remote_code" in str(e):
+            raise ConfigError(f"--model: {cfg.model!r} ships Python code that loading it would run (auto_map in its "
+                              "config); read that code, and pass --trust_remote_code if you trust it") from None
         raise ConfigError(f"--model: cannot load {cfg.model!r} ({str(e).splitlines()[0]}); pass a local HF "
                           "directory, or a hub id with hub access (see README, Troubleshooting)") from None
 
@@ -551,7 +585,7 @@ def load_rows(cfg: Config):
     """(train, eval) lists of dict rows with 'prompt', 'answer' and any other columns of the dataset."""
     if cfg.dataset == "arithmetic":
         return arithmetic_task(cfg.seed, cfg.num_eval)
-    from datasets import load_dataset  # only needed here: the built-in task runs without it
+    from datasets import load_dataset  # only needed here. datasets >= 4 runs no loading scripts: data is never code
 
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(path):
@@ -601,10 +635,10 @@ def load_rows(cfg: Config):
     return rows(train), rows(eval_)
 
 
-def load_tokenizer(path):
+def load_tokenizer(path, trust_remote_code=False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token_id is None:  # only used to fill padding columns, which every mask excludes
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -645,7 +679,7 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what):
 
 def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
     train_rows, eval_rows = load_rows(cfg)
     train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training")
     eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
@@ -673,8 +707,17 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 def make_engine(cfg: Config, env, model_config):
     """vllm.LLM inside this process. external_launcher makes vLLM join our torch.distributed world instead of
     spawning workers; every rank of a TP group passes the same seed, so the group samples identically."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # read at import; yours wins
     from vllm import LLM
 
+    if not cfg.verbose:  # hide warnings that every run prints and that need no action. "Failed to load weights": the
+        # CPU push has no tensor for RotaryEmbedding (no weights) nor for a tied lm_head (push_weights re-packs it; the
+        # parity check proves both). LLM(seed=) reseeds the process (train() reseeds the trainer after it). The rest is
+        # the CPU backend: eager mode by choice, no triton, threads set by setup_distributed before vLLM binds them.
+        expected = ("Failed to load weights", "global random seed is set", "Enforce eager set", "Inductor compilation "
+                    "was disabled", "Model Runner V2 requires Triton", "torch.set_num_threads")
+        for handler in logging.getLogger("vllm").handlers:
+            handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
     completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
     kwargs = dict(
         model=cfg.model, dtype=env.dtype, seed=derive_seed(cfg.seed, "engine", env.engine_index),
@@ -683,6 +726,7 @@ def make_engine(cfg: Config, env, model_config):
         max_num_seqs=min(completions_per_call, 512),  # one rollout at once; vLLM's CUDA graphs stop at 512
         logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: the distribution we sample from
         enable_prefix_caching=True,  # the G samples of a prompt share its KV blocks
+        trust_remote_code=cfg.trust_remote_code, load_format="safetensors", use_tqdm_on_load=cfg.verbose,
     )
     if env.device.type == "cuda":
         kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep_mode=env.sleep)
@@ -888,10 +932,11 @@ def autocast(env):
     return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
 
 
-def load_lm(path: str, device) -> nn.Module:
+def load_lm(path: str, device, trust_remote_code=False) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+                                              use_safetensors=True, trust_remote_code=trust_remote_code)
     lm.config.use_cache = False
     return lm.to(device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
 
@@ -1191,6 +1236,7 @@ def load_optimizer(path: str, policy, optimizer):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(policy, optimizer)}  # the layout to fill
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # DCP unpickles non-tensor values with weights_only=False
     dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"])
 
@@ -1294,7 +1340,7 @@ def train(cfg: Config, env, model_config, data):
 
     start_step, data_position, state = 0, 0, None  # data_position: prompts drawn so far, by all ranks together
     if cfg.resume_from_checkpoint:
-        state = torch.load(os.path.join(cfg.resume_from_checkpoint, "trainer_state.pt"), weights_only=False)
+        state = read_checkpoint_state(cfg.resume_from_checkpoint)
         start_step, data_position = state["step"], state["data_position"]
 
     # ---- data (loaded and checked in main, before the process group) ----
@@ -1329,11 +1375,11 @@ def train(cfg: Config, env, model_config, data):
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
-    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to)
+    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to, cfg.trust_remote_code)
     n_params = sum(p.numel() for p in lm.parameters())
     reference = None
     if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
-        ref_lm = load_lm(cfg.model, load_to).to(env.dtype).requires_grad_(False)
+        ref_lm = load_lm(cfg.model, load_to, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
     policy = wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -1370,7 +1416,7 @@ def train(cfg: Config, env, model_config, data):
         print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
         write_metrics({"step": 0, **base})
 
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not env.is_main, dynamic_ncols=True, desc="grpo")
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (env.is_main and sys.stderr.isatty()), desc="grpo")
     batch, skipped_in_a_row, skipped_total = None, 0, 0
     iteration = cfg.num_iterations  # optimizer steps taken on the current batch: none yet, so generate first
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -1445,16 +1491,23 @@ def train(cfg: Config, env, model_config, data):
     return llm
 
 
-def main(argv=None):
-    try:  # bad input: one message, before any process group, model or engine exists
+def check_inputs(argv=None):
+    """Bad input: one message, before any process group, model or engine exists (run.sh runs this alone first)."""
+    try:
         cfg = parse_args(argv)
+        for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS") * (not cfg.verbose):
+            os.environ.setdefault(key, "1")  # no loading/saving bars (transformers, datasets), read at their import
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
-        data = prepare_data(cfg)
+        return cfg, model_config, prepare_data(cfg)
     except ConfigError as e:  # identical on every rank: each exits without touching a collective
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def main(argv=None):
+    cfg, model_config, data = check_inputs(argv)
     env = setup_distributed(cfg)
     try:
         llm = train(cfg, env, model_config, data)

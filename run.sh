@@ -132,15 +132,26 @@ if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then
   exec "$PY" bench_trl.py compare "$out/metrics.jsonl" "$out/trl/metrics.jsonl" "$name x$nproc $* ${TRL_FLAGS:-}"
 fi
 
+# One process runs as plain python. Several need torchrun, which follows a failed process with a ~20-line report of
+# its own: so the flags, model and data are checked first in one plain process, and a bad one's `error: --flag: ...`
+# stays the last thing on screen.
+launch() {
+  local n=$1; shift
+  [ "$n" -le 1 ] && exec "$PY" grpo_colocate.py "$@"
+  case " $* " in *" -h "*|*" --help "*) exec "$PY" grpo_colocate.py --help ;; esac
+  WORLD_SIZE=$n "$PY" -c 'import sys, grpo_colocate; grpo_colocate.check_inputs(sys.argv[1:])' "$@"
+  exec "${TORCHRUN[@]}" --nproc_per_node "$n" grpo_colocate.py "$@"
+}
+
 if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU
   # (BENCHMARKS.md section 1: held-out accuracy 7.4% -> 50.8% in 150 steps on one H200)
-  exec "${TORCHRUN[@]}" --nproc_per_node "$GPUS" grpo_colocate.py \
+  launch "$GPUS" \
     --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4 \
     --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant \
     --max_steps 150 --eval_steps 25 --num_eval 256 --output_dir outputs/gpu-run "$@"
 fi
 # CPU: one process, a small batch and short completions, so that the reward visibly moves in a few minutes
-exec "${TORCHRUN[@]}" --nproc_per_node 1 grpo_colocate.py \
+launch 1 \
   --num_generations 4 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 \
   --max_prompt_length 96 --max_completion_length 48 --temperature 0.8 \
   --reward_funcs accuracy_reward format_reward \

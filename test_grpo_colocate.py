@@ -11,6 +11,7 @@ No mocks of vLLM or the model in the end-to-end tests.
 import json
 import math
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -369,9 +370,72 @@ def test_model_shape_checks(flags, flag):
 
 
 def test_resume_from_another_model(tmp_path):
+    genuine_checkpoint(tmp_path)
     (tmp_path / "grpo_config.json").write_text(json.dumps({"model": "someone/else"}))
     with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
         gc.check_model(gc.Config(resume_from_checkpoint=str(tmp_path)), SMOL_SHAPE)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# loading never runs code from a checkpoint or a model (issue 18)
+# ------------------------------------------------------------------------------------------------------------
+
+def genuine_checkpoint(path):
+    """What save_checkpoint writes for the optimizer and the trainer state: DCP files and trainer_state.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    lm = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(gc.Config(max_steps=10)))
+    lm(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(path / "optimizer"), no_dist=True)
+    torch.save({"step": 1, "scheduler": scheduler.state_dict()}, path / "trainer_state.pt")
+
+
+class WritesAMarker:
+    """Unpickling this runs code: it writes a file (what a crafted checkpoint could do instead)."""
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+@pytest.mark.parametrize("crafted", ["trainer_state.pt", "optimizer/.metadata"])
+def test_a_crafted_checkpoint_is_refused_before_any_engine(tmp_path, crafted):
+    ckpt, marker = tmp_path / "checkpoint-1", tmp_path / "marker"
+    ckpt.mkdir()
+    genuine_checkpoint(ckpt)
+    assert gc.read_checkpoint_state(str(ckpt))["step"] == 1  # the genuine one reads (LambdaLR's state is numbers)
+    if crafted == "trainer_state.pt":
+        torch.save({"step": 1, "scheduler": WritesAMarker(marker)}, ckpt / crafted)
+    else:  # torch.distributed.checkpoint itself reads this one with a plain pickle.load
+        (ckpt / crafted).write_bytes(pickle.dumps(WritesAMarker(marker)))
+    with pytest.raises(gc.ConfigError, match=r"--resume_from_checkpoint: .* \(UnpicklingError: "):
+        gc.parse_args(["--resume_from_checkpoint", str(ckpt), "--output_dir", str(tmp_path / "out")])
+    assert not marker.exists()
+
+
+def test_a_model_with_its_own_code_is_refused_unless_trusted(tmp_path):
+    marker = tmp_path / "marker"
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "custom_arch", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}))
+    (tmp_path / "configuration_custom.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\nfrom transformers import PretrainedConfig\n\n\n"
+        "class CustomConfig(PretrainedConfig):\n    model_type = 'custom_arch'\n")
+    with pytest.raises(gc.ConfigError, match="--model: .*--trust_remote_code"):
+        gc.load_model_config(gc.parse_args(["--model", str(tmp_path)]))
+    assert not marker.exists()
+    cfg = gc.parse_args(["--model", str(tmp_path), "--trust_remote_code"])  # the deliberate opt-in
+    assert type(gc.load_model_config(cfg)).__name__ == "CustomConfig" and marker.exists()
+
+
+def test_pickled_weights_are_refused(tmp_path):
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(gc.ConfigError, match="--model: .*safetensors"):
+        gc.check_model(gc.Config(model=str(tmp_path)), SMOL_SHAPE)
 
 
 def data_config(tmp_path, rows, **flags):
@@ -454,7 +518,7 @@ def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
     assert child.exitcode == -signal.SIGKILL
     assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2.tmp"]  # the half-written one is only a tmp dir
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-1"))
-    assert torch.load(os.path.join(out, "checkpoint-1", "trainer_state.pt"), weights_only=False)["step"] == 1
+    assert gc.read_checkpoint_state(os.path.join(out, "checkpoint-1"))["step"] == 1
     assert gc.latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
 
 
@@ -562,7 +626,7 @@ result["min_weight_move"] = min((w_ddp[n] - base[n]).abs().max().item() for n in
 ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, *fsdp, gc.load_tokenizer({model!r}), 0)  # sharded -> HF + DCP
 resumed = build(fsdp_cfg, ckpt)
 gc.load_optimizer(ckpt, resumed[0], resumed[1])
-resumed[2].load_state_dict(torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)["scheduler"])
+resumed[2].load_state_dict(gc.read_checkpoint_state(ckpt)["scheduler"])  # checks the DCP metadata of FSDP2 too
 result["resumed_weight_diff"] = max((weights(resumed[0])[n] - w_fsdp[n]).abs().max().item() for n in w_fsdp)
 result["step3_fsdp"], result["step3_resumed"] = steps(fsdp, fsdp_cfg, 1), steps(resumed, fsdp_cfg, 1)
 result["step3_ddp"] = steps(ddp, ddp_cfg, 1)
@@ -685,7 +749,7 @@ def test_e2e_policy_changed_and_checkpoint_loads_in_transformers(two_rank_run):
     base = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     moved = [n for (n, p), (_, q) in zip(trained.named_parameters(), base.named_parameters()) if not torch.equal(p, q)]
     assert len(moved) > 100  # nearly every tensor moved
-    state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+    state = gc.read_checkpoint_state(ckpt)
     assert state["step"] == 2 and state["data_position"] == 8  # 2 generations x 2 ranks x 2 prompts
     assert json.load(open(os.path.join(ckpt, "grpo_config.json")))["model"] == MODEL
 
@@ -710,7 +774,7 @@ def test_e2e_resume_on_one_rank_reproduces_step_two(two_rank_run, tmp_path):
             assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
         elif key in ("lr", "loss", "grad_norm", "entropy", "logprob_gap", "is_weight/mean", "clip_ratio/region"):
             assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
-    state = torch.load(os.path.join(resumed, "checkpoint-3", "trainer_state.pt"), weights_only=False)
+    state = gc.read_checkpoint_state(os.path.join(resumed, "checkpoint-3"))
     assert state["step"] == 3 and state["data_position"] == 8  # 4 prompts at checkpoint-1, then 4 more
 
 
@@ -719,7 +783,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     1 MB push bucket (every rank gathers full tensors for the shared engine), a local dataset with other column
     names, beta > 0 (a sharded reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards,
     token-level truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule,
-    fixed-length generations."""
+    fixed-length generations, --verbose."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
@@ -744,8 +808,9 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
-        "--logging_steps", "2", "--save_steps", "-1", "--output_dir", out])
+        "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
     assert "trainer FSDP2 + activation checkpointing" in proc.stdout
+    assert "INFO " in proc.stdout and "Failed to load weights" in proc.stdout  # --verbose: vLLM's logs are back
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
@@ -756,6 +821,44 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
+
+
+# ------------------------------------------------------------------------------------------------------------
+# what a newcomer sees through run.sh: a quiet run, and a bad flag or bad data as the last line (issue 16)
+# ------------------------------------------------------------------------------------------------------------
+
+def run_sh(*args, timeout=900):
+    """stdout and stderr together, in the order a terminal shows them."""
+    return subprocess.run(["bash", os.path.join(HERE, "run.sh"), *args], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh's CPU command")
+def test_run_sh_default_cpu_run_is_quiet(tmp_path):
+    proc = run_sh("--max_steps", "1", "--eval_steps", "0", "--num_eval", "2", "--per_device_train_batch_size", "4",
+                  "--gradient_accumulation_steps", "1", "--max_completion_length", "16",
+                  "--output_dir", str(tmp_path / "out"))
+    out = proc.stdout
+    assert proc.returncode == 0, out[-6000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    print(f"{len(lines)} lines:\n" + "\n".join(lines))
+    assert not [line for line in lines if line.startswith("INFO ")]  # vLLM's INFO chatter
+    for expected_noise in ("Failed to load weights", "global random seed", "Loading weights", "Writing model shards"):
+        assert expected_noise not in out, expected_noise
+    assert "engine ready" in out and "step 1/1 | reward" in out and lines[-1] == "done"
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--max_steps", "0"], "error: --max_steps: is 0"),  # a bad flag
+    (["--dataset", "DATA", "--prompt_column", "question"], "error: --prompt_column: "),  # bad data
+])
+def test_a_bad_input_through_run_sh_is_the_last_line(tmp_path, argv, error):
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS * 5))
+    proc = run_sh(*[str(tmp_path / "data.jsonl") if a == "DATA" else a for a in argv],
+                  "--output_dir", str(tmp_path / "out"), timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert proc.returncode != 0 and lines[-1].startswith(error), lines[-25:]
+    assert "Generating train split" not in proc.stdout  # datasets' progress bar
 
 
 # ------------------------------------------------------------------------------------------------------------
