@@ -434,25 +434,20 @@ def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
     """[N, V] bool: the tokens vLLM's sampler keeps, as vllm/v1/sample/ops/topk_topp_sampler.py computes it: top-k
     keeps logits >= the k-th largest, then top-p drops ascending tokens while their cumulative mass is <= 1 - p."""
     sorted_logits, order = logits.sort(dim=-1)  # [N, V] ascending
-    if top_k > 0:
-        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0)].unsqueeze(-1)  # [N, 1]
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -math.inf)
-    if top_p < 1:
-        drop = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p  # [N, V]
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, -math.inf)
+    if top_k > 0:  # below the k-th largest value (ties with it stay)
+        sorted_logits.masked_fill_(sorted_logits < sorted_logits[:, max(logits.shape[-1] - top_k, 0), None], -math.inf)
+    if top_p < 1:  # cumulative mass from the bottom <= 1 - top_p (after top-k); the top token always stays
+        sorted_logits[:, :-1].masked_fill_(sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p, -math.inf)
     return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
 
 
 def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1.0):
-    """One chunk: log softmax(h W^T / temperature)[target] and the entropy. hidden: [N, H], targets: [N].
-    With top_k / top_p, over the distribution vLLM sampled: logp = logit_target - logsumexp over the kept set K
-    (K + the target: finite even where bf16 noise moves a sampled token out). The logged entropy stays full."""
+    """One chunk: log softmax(h W^T / temperature)[target] and the (full distribution's) entropy. hidden: [N, H],
+    targets: [N]. top_k / top_p: logp = logit_target - logsumexp over the kept set + the target (finite in bf16)."""
     logits = F.linear(hidden, weight).float() / temperature  # [N, V] in fp32
     kept = logits
     if top_k > 0 or top_p < 1:
-        with torch.no_grad():
-            mask = top_k_top_p_mask(logits, top_k, top_p).scatter_(-1, targets.unsqueeze(-1), True)  # [N, V]
+        mask = top_k_top_p_mask(logits.detach(), top_k, top_p).scatter_(-1, targets.unsqueeze(-1), True)  # [N, V]
         kept = logits.masked_fill(~mask, -math.inf)  # [N, V]
     logps = kept.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(kept, dim=-1)  # [N]
     with torch.no_grad():  # entropy is only logged: H = logz - sum_v p_v * logit_v
@@ -467,8 +462,7 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, 
     backward (one extra lm_head matmul) instead of storing N x V floats. hidden: [N, H], targets: [N].
     """
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        rows = slice(start, start + chunk_size)
+    for rows in (slice(start, start + chunk_size) for start in range(0, hidden.shape[0], chunk_size)):
         args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
@@ -798,9 +792,8 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
 
 
 def parity_probe(tokenizer, row, max_len: int) -> list[int]:
-    """The probe both score after a push: a held-out prompt + "#### <its answer>" (a worked solution, for GSM8K),
-    cut to max_len tokens: max_model_len - 1, room for the one token vLLM generates."""
-    return (row["prompt_ids"] + tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"])[:max_len]
+    """A held-out prompt + "#### <answer>" (GSM8K: a worked solution), cut to max_model_len - 1: fits the engine."""
+    return (row["prompt_ids"] + tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"])[:max_len - 1]
 
 
 def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
@@ -992,8 +985,7 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int)
 
 
 def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
-    """TRL's rule: truncated = no EOS in the completion. vLLM stops at the first EOS but says "length" when that
-    EOS was the last token allowed: such a completion ended and is kept."""
+    """TRL's rule: truncated = no EOS (vLLM says "length" also when an EOS was the last token allowed: kept)."""
     return finish_reason == "length" and (not token_ids or token_ids[-1] not in eos_ids)
 
 
@@ -1068,8 +1060,7 @@ def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
     with torch.no_grad(), autocast(env):
         for start in range(0, out.shape[0], size):
             mb = micro_batch(batch, start, size, env.device)
-            logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature, cfg.top_k,
-                             cfg.top_p)
+            logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
             out[start:start + size, :logps.shape[1]] = logps.float().cpu()
     reshard(model)
     return out
@@ -1220,23 +1211,18 @@ def load_optimizer(path: str, policy, optimizer):
 
 MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
 
-PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H800 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
-                   "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
-# dense bf16 tensor-core peaks (the datasheets' non-sparse), first match wins: "NVIDIA H100 80GB HBM3" is the SXM
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
+                   "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}  # dense bf16; first match wins
 
 
 def matmul_params(lm: nn.Module) -> int:
-    """N in MFU's 6N FLOPs per token: all parameters but the input embedding (a lookup, no FLOPs); the lm_head is
-    a matmul and counts, also when it is the embedding's tensor (tied: that tensor stays in)."""
-    embedding = lm.get_input_embeddings().weight
-    tied = embedding is lm.get_output_embeddings().weight
-    return sum(p.numel() for p in lm.parameters()) - (0 if tied else embedding.numel())
+    """MFU's N: every parameter but the input embedding (a lookup: no FLOPs); a tied lm_head still counts."""
+    embedding, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    return sum(p.numel() for p in lm.parameters()) - (0 if embedding is head else embedding.numel())
 
 
 def peak_flops(env):
-    if env.device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(env.device)
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
@@ -1290,9 +1276,8 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     m["tokens_per_sec_per_gpu"] = completion_tokens / env.world / step_time
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = completion_tokens / env.world / ledger["generate"]
-    peak = peak_flops(env)
-    if peak:  # training MFU: 6 N FLOPs per trained (prompt + completion) token over the train phases (N: matmul_params)
-        trained = t["prompt_tokens"] + t["len"]
+    if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N: matmul_params) per trained (prompt + completion)
+        trained = t["prompt_tokens"] + t["len"]  # token, over the train phases
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
     if env.device.type == "cuda":
         m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)  # the trainer's (+ the engine's pool)
@@ -1337,7 +1322,7 @@ def train(cfg: Config, env, model_config, data):
 
     # ---- data (loaded and checked in main, before the process group) ----
     tokenizer, train_rows, eval_rows = data
-    probe_ids = parity_probe(tokenizer, eval_rows[0], cfg.max_prompt_length + cfg.max_completion_length - 1)
+    probe_ids = parity_probe(tokenizer, eval_rows[0], cfg.max_prompt_length + cfg.max_completion_length)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
 
     # ---- the engine first (it sizes its memory against an empty GPU), then asleep while the trainer loads ----

@@ -294,9 +294,9 @@ def test_truncated_means_no_eos_as_in_trl():
 def test_parity_probe_fits_the_engine():
     tok = gc.load_tokenizer(MODEL)
     row = {"prompt_ids": list(range(100, 120)), "answer": "She sold 48 / 2 = 24 clips in May. " * 20 + "#### 72"}
-    probe = gc.parity_probe(tok, row, 20 + 16 - 1)  # a GSM8K-style worked solution, max_completion_length 16
+    probe = gc.parity_probe(tok, row, 20 + 16)  # a GSM8K-style worked solution; max_model_len 20 + 16
     assert len(probe) == 35 and probe[:20] == row["prompt_ids"]
-    short = gc.parity_probe(tok, {"prompt_ids": [1, 2], "answer": "7"}, 35)
+    short = gc.parity_probe(tok, {"prompt_ids": [1, 2], "answer": "7"}, 36)
     assert short == [1, 2] + tok("#### 7", add_special_tokens=False)["input_ids"]
 
 
@@ -316,7 +316,7 @@ def test_mfu_params_skip_the_input_embedding_but_count_the_lm_head():
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12),
-                                       ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("Tesla T4", None)])
+                                       ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA H800", 989e12), ("Tesla T4", None)])
 def test_peak_flops_tells_h100_pcie_from_sxm(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert gc.peak_flops(SimpleNamespace(device=torch.device("cuda", 0))) == peak
@@ -840,7 +840,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
         "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
         "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
-        "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
+        "--temperature", "0.9", "--top_p", "0.9", "--top_k", "50", "--lr_scheduler_type", "cosine",
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--output_dir", out])
@@ -851,10 +851,56 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
     assert r["parity_gap"] < 1e-4 and "rewards/reward_len" in r and "rewards/format_reward" in r
+    assert r["logprob_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
+
+
+DUMP_REWARD = '''
+import json, os, torch
+def dump(prompts, completions, **columns):  # what each rank sampled, and the seed it sampled with
+    with open(os.path.join(os.environ["DUMP_DIR"], "rank" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({"local_rank": os.environ["LOCAL_RANK"], "seed": torch.initial_seed(), "texts": completions}, f)
+    return [0.0] * len(completions)
+'''
+
+
+def test_e2e_two_nodes_on_one_host(tmp_path):
+    """Two torchrun "nodes" of one process each, started together as on a cluster: RANK 0 and 1, LOCAL_RANK 0 on
+    both. One real step with the tiny random Llama: both finish, the parity check passes, and the two engines
+    sampled with different seeds (a seed from LOCAL_RANK would repeat across nodes)."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(AutoTokenizer.from_pretrained(MODEL)), hidden=256).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
+    (tmp_path / "dump_reward.py").write_text(DUMP_REWARD)
+    out, port, logs = str(tmp_path / "out"), free_port(), [str(tmp_path / f"node{n}.log") for n in range(2)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DUMP_DIR": str(tmp_path),
+           "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}", os.path.join(HERE, "grpo_colocate.py"),
+         "--model", model_dir, "--num_generations", "4", "--per_device_train_batch_size", "4",
+         "--gradient_accumulation_steps", "1", "--max_prompt_length", "96", "--max_completion_length", "8",
+         "--num_eval", "4", "--max_steps", "1", "--eval_steps", "0", "--save_steps", "-1",
+         "--reward_funcs", "dump_reward:dump", "--output_dir", out],
+        cwd=HERE, env=env, stdout=open(logs[n], "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        for n in range(2)]
+    try:
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert codes == [0, 0], [open(log).read()[-4000:] for log in logs]
+    assert "world 2 = 2 engine(s) x tp 1" in open(logs[0]).read()
+    assert read_metrics(out)[-1]["parity_gap"] < 1e-4
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert [r["local_rank"] for r in ranks] == ["0", "0"]
+    assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
 
 
 # ------------------------------------------------------------------------------------------------------------
