@@ -1276,8 +1276,8 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     m["tokens_per_sec_per_gpu"] = completion_tokens / env.world / step_time
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = completion_tokens / env.world / ledger["generate"]
-    if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N: matmul_params) per trained (prompt + completion)
-        trained = t["prompt_tokens"] + t["len"]  # token, over the train phases
+    if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
+        trained = t["prompt_tokens"] + t["len"]  # over the train phases
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
     if env.device.type == "cuda":
         m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)  # the trainer's (+ the engine's pool)
