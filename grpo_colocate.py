@@ -150,8 +150,8 @@ class Config:
     reward_weights: list[float] = arg([], "one weight per reward function (default: all 1.0)")
     # sampling
     temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use the same)")
-    top_p: float = arg(1.0, "nucleus sampling")
-    top_k: int = arg(0, "top-k sampling (0: off)")
+    top_p: float = arg(1.0, "nucleus sampling (the trainer's logprobs are over the same kept set)")
+    top_k: int = arg(0, "top-k sampling (0: off; the trainer's logprobs are over the same kept set)")
     ignore_eos: bool = arg(False, "generate every completion to max_completion_length (fixed-length benchmarks)")
     # the colocated engine
     vllm_gpu_memory_utilization: float = arg(0.3, "fraction of the GPU the engine takes (weights + KV cache)")
@@ -272,6 +272,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
+    need(not (cfg.ignore_eos and cfg.mask_truncated_completions), "mask_truncated_completions",
+         "with --ignore_eos every completion runs to max_completion_length and all would be masked; drop one")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization",
          f"is {cfg.vllm_gpu_memory_utilization}; use a fraction in (0, 1], e.g. 0.3")
     need(cfg.vllm_enable_sleep_mode in ("auto", "true", "false"), "vllm_enable_sleep_mode", "use auto, true or false")
@@ -467,25 +469,40 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
     return weights.masked_fill(weights > clip_max, 0.0)
 
 
-def _logprobs_and_entropy(hidden, weight, targets, temperature):
-    """One chunk: log softmax(h W^T / temperature)[target] and the entropy. hidden: [N, H], targets: [N]."""
+def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
+    """[N, V] bool: the tokens vLLM's sampler keeps, as vllm/v1/sample/ops/topk_topp_sampler.py computes it: top-k
+    keeps logits >= the k-th largest, then top-p drops ascending tokens while their cumulative mass is <= 1 - p."""
+    sorted_logits, order = logits.sort(dim=-1)  # [N, V] ascending
+    if top_k > 0:  # below the k-th largest value (ties with it stay)
+        sorted_logits.masked_fill_(sorted_logits < sorted_logits[:, max(logits.shape[-1] - top_k, 0), None], -math.inf)
+    if top_p < 1:  # cumulative mass from the bottom <= 1 - top_p (after top-k); the top token always stays
+        sorted_logits[:, :-1].masked_fill_(sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p, -math.inf)
+    return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
+
+
+def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1.0):
+    """One chunk: log softmax(h W^T / temperature)[target] and the (full distribution's) entropy. hidden: [N, H],
+    targets: [N]. top_k / top_p: logp = logit_target - logsumexp over the kept set + the target (finite in bf16)."""
     logits = F.linear(hidden, weight).float() / temperature  # [N, V] in fp32
-    logz = torch.logsumexp(logits, dim=-1)  # [N]
-    logps = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz  # [N]
+    kept = logits
+    if top_k > 0 or top_p < 1:
+        mask = top_k_top_p_mask(logits.detach(), top_k, top_p).scatter_(-1, targets.unsqueeze(-1), True)  # [N, V]
+        kept = logits.masked_fill(~mask, -math.inf)  # [N, V]
+    logps = kept.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(kept, dim=-1)  # [N]
     with torch.no_grad():  # entropy is only logged: H = logz - sum_v p_v * logit_v
-        entropy = logz - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N]
+        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N]
     return logps, entropy
 
 
-def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024):
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0):
     """Per-token logprobs and entropies, chunk_size rows at a time, so [N, V] fp32 logits never exist at once.
 
     Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed in
     backward (one extra lm_head matmul) instead of storing N x V floats. hidden: [N, H], targets: [N].
     """
     logps, entropies = [], []
-    for start in range(0, hidden.shape[0], chunk_size):
-        args = (hidden[start:start + chunk_size], weight, targets[start:start + chunk_size], temperature)
+    for rows in (slice(start, start + chunk_size) for start in range(0, hidden.shape[0], chunk_size)):
+        args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
         else:
@@ -829,6 +846,11 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
     return sum(p.numel() for p in lm.parameters()) * env.dtype.itemsize
 
 
+def parity_probe(tokenizer, row, max_len: int) -> list[int]:
+    """A held-out prompt + "#### <answer>" (GSM8K: a worked solution), cut to max_model_len - 1: fits the engine."""
+    return (row["prompt_ids"] + tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"])[:max_len - 1]
+
+
 def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
     """Mean |logp_trainer - logp_vllm| over a fixed probe sequence, scored by both after a push."""
     from vllm import SamplingParams
@@ -899,9 +921,9 @@ class Policy(nn.Module):
         # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
         self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
-    def forward(self, input_ids, attention_mask, completion_mask, temperature):
+    def forward(self, input_ids, attention_mask, completion_mask, temperature, top_k=0, top_p=1.0):
         """input_ids, attention_mask: [B, L] = left-padded prompt + right-padded completion; completion_mask:
-        [B, T], the last T columns. Returns logps, entropy: [B, T] (0 where the mask is 0)."""
+        [B, T], the last T columns. Returns logps (top-k/top-p: over the kept set), entropy: [B, T] (0 off the mask)."""
         T = completion_mask.shape[1]
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L], count from each row's first token
         hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
@@ -910,7 +932,7 @@ class Policy(nn.Module):
         targets = input_ids[:, -T:]  # [B, T]
         active = completion_mask.bool()  # only real completion tokens go through the lm_head
         lp, ent = chunked_logprobs(hidden[active], self.lm.get_output_embeddings().weight, targets[active],
-                                   temperature, self.chunk_size)  # [n_active]
+                                   temperature, self.chunk_size, top_k, top_p)  # [n_active]
         logps = torch.zeros(completion_mask.shape, dtype=lp.dtype, device=lp.device)
         entropy = torch.zeros_like(logps)
         logps[active], entropy[active] = lp, ent
@@ -1018,6 +1040,11 @@ def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int)
     return input_ids, attention_mask, attention_mask[:, P:].clone()
 
 
+def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
+    """TRL's rule: truncated = no EOS (vLLM says "length" also when an EOS was the last token allowed: kept)."""
+    return finish_reason == "length" and (not token_ids or token_ids[-1] not in eos_ids)
+
+
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
     """Generate G completions per prompt, score them and compute advantages. Returns this rank's batch.
     positions: the rows' global data positions, which seed their samples."""
@@ -1046,7 +1073,7 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
 
     prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
     input_ids, attention_mask, completion_mask = collate(prompt_ids, completion_ids, tokenizer.pad_token_id)
-    truncated = torch.tensor([c.finish_reason == "length" for c in samples])
+    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, {tokenizer.eos_token_id}) for c in samples])
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
@@ -1091,7 +1118,7 @@ def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
     with torch.no_grad(), autocast(env):
         for start in range(0, out.shape[0], size):
             mb = micro_batch(batch, start, size, env.device)
-            logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature)
+            logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
             out[start:start + size, :logps.shape[1]] = logps.float().cpu()
     reshard(model)
     return out
@@ -1140,7 +1167,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
             sync = nullcontext() if (i == accum - 1 or not isinstance(policy, DDP)) else policy.no_sync()
             with sync:
                 with autocast(env):
-                    logps, entropy = policy(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature)
+                    logps, entropy = policy(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature,
+                                            cfg.top_k, cfg.top_p)
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -1243,14 +1271,18 @@ def load_optimizer(path: str, policy, optimizer):
 
 MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12,
-                   "L40S": 362e12, "B200": 2250e12}  # dense bf16 tensor-core peaks (the datasheets' non-sparse)
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
+                   "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}  # dense bf16; first match wins
+
+
+def matmul_params(lm: nn.Module) -> int:
+    """MFU's N: every parameter but the input embedding (a lookup: no FLOPs); a tied lm_head still counts."""
+    embedding, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    return sum(p.numel() for p in lm.parameters()) - (0 if embedding is head else embedding.numel())
 
 
 def peak_flops(env):
-    if env.device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(env.device)
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
@@ -1304,14 +1336,19 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     m["tokens_per_sec_per_gpu"] = completion_tokens / env.world / step_time
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = completion_tokens / env.world / ledger["generate"]
-    peak = peak_flops(env)
-    if peak:  # training MFU: 6 N FLOPs per trained (prompt + completion) token over the train phases
-        trained = t["prompt_tokens"] + t["len"]
+    if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
+        trained = t["prompt_tokens"] + t["len"]  # over the train phases
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
     if env.device.type == "cuda":
         m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)  # the trainer's (+ the engine's pool)
         m["memory/device_used_gib"] = memory.get("device_used", 0.0)  # trainer + engine, seen by the driver
     return m
+
+
+def json_line(record: dict) -> str:
+    """Strict JSON: a non-finite float (the grad norm of a skipped step) is written as null, never a bare NaN."""
+    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
+                      allow_nan=False)
 
 
 def log_line(step, max_steps, m) -> str:
@@ -1345,9 +1382,7 @@ def train(cfg: Config, env, model_config, data):
 
     # ---- data (loaded and checked in main, before the process group) ----
     tokenizer, train_rows, eval_rows = data
-    # the parity probe: a held-out prompt followed by its reference answer, scored by trainer and engine
-    probe_ids = eval_rows[0]["prompt_ids"] + tokenizer(f"#### {eval_rows[0]['answer']}",
-                                                       add_special_tokens=False)["input_ids"]
+    probe_ids = parity_probe(tokenizer, eval_rows[0], cfg.max_prompt_length + cfg.max_completion_length)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
 
     # ---- the engine first (it sizes its memory against an empty GPU), then asleep while the trainer loads ----
@@ -1376,7 +1411,7 @@ def train(cfg: Config, env, model_config, data):
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
     lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to, cfg.trust_remote_code)
-    n_params = sum(p.numel() for p in lm.parameters())
+    n_params, flop_params = sum(p.numel() for p in lm.parameters()), matmul_params(lm)
     reference = None
     if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
         ref_lm = load_lm(cfg.model, load_to, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
@@ -1406,7 +1441,7 @@ def train(cfg: Config, env, model_config, data):
     def write_metrics(record):
         if env.is_main:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json_line(record) + "\n")
 
     ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
@@ -1474,7 +1509,7 @@ def train(cfg: Config, env, model_config, data):
         m = None
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
             m = {"step": step, "lr": lr, "skipped_steps": skipped_total,
-                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, engine.info, reward_funcs)}
+                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, flop_params, engine.info, reward_funcs)}
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, m))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
@@ -1482,6 +1517,8 @@ def train(cfg: Config, env, model_config, data):
             with timed(eval_time, "eval", env):
                 ready_engine(step, eval_time)  # awake already, unless mid-way through num_iterations
                 ev = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+                if iteration < cfg.num_iterations:  # mid-way through a generation batch: the trainer needs the GPU
+                    rest_engine(eval_time)
             print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:

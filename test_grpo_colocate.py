@@ -188,13 +188,48 @@ def test_chunked_logprobs_match_full_softmax():
     assert torch.allclose(g1h, g2h, atol=1e-6) and torch.allclose(g1w, g2w, atol=1e-6)
 
 
-def tiny_llama(vocab=64, hidden=32, heads=4, kv_heads=2):
+# top-k / top-p by hand. Row 0: p = [.15, .5, .05, .3], top_p 0.7: ascending cumulative mass .05, .2, .5, 1 -> drop
+# while <= 0.3 -> keep {.5, .3}: logp(.3) = log(.3 / .8). Row 1: p = [.4, .3, .2, .1], top_k 2 THEN top_p 0.5: the
+# top 2 renormalised are [.571, .429]; .429 <= 0.5 drops .3 -> only .4 is left, logp = 0 (top-p first would keep
+# {.4, .3}). Row 2: logits [1, 2, 2, 0], top_k 1: ties at the k-th value are kept -> logp(index 1) = log(1/2).
+TOPKP = [([.15, .5, .05, .3], 0, 0.7, [0, 1, 0, 1], 3, math.log(.3 / .8)),
+         ([.4, .3, .2, .1], 2, 0.5, [1, 0, 0, 0], 0, 0.0),
+         ([math.e, math.e ** 2, math.e ** 2, 1.0], 1, 1.0, [0, 1, 1, 0], 1, math.log(0.5))]
+
+
+@pytest.mark.parametrize("probs,top_k,top_p,kept,target,logp", TOPKP)
+def test_top_k_top_p_logprobs_by_hand(probs, top_k, top_p, kept, target, logp):
+    logits = torch.tensor([probs]).log() * 0.5  # temperature 0.5 undoes the 0.5: filtering sees the scaled logits
+    assert gc.top_k_top_p_mask(logits / 0.5, top_k, top_p).int().tolist() == [kept]
+    hidden = logits.clone().requires_grad_(True)  # weight = identity: logits = hidden
+    lp, ent = gc.chunked_logprobs(hidden, torch.eye(4), torch.tensor([target]), 0.5, 1, top_k, top_p)
+    assert close(lp.detach(), logp)
+    full = torch.tensor([probs]) / sum(probs)
+    assert close(ent, -(full * full.log()).sum())  # the logged entropy is the full distribution's
+    lp.sum().backward()
+    assert torch.isfinite(hidden.grad).all() and (hidden.grad[0][torch.tensor(kept) == 0] == 0).all()
+
+
+def test_top_k_top_p_mask_matches_vllm():
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
+
+    logits = (torch.randn(16, 200, generator=torch.Generator().manual_seed(0)) * 2).round(decimals=1)  # many ties
+    for k, p in [(0, 0.9), (50, 1.0), (50, 0.95), (1, 1.0), (200, 0.5)]:
+        ref = apply_top_k_top_p_pytorch(logits.clone(), torch.full((16,), k) if k else None,
+                                        torch.full((16,), p) if p < 1 else None)
+        assert torch.equal(gc.top_k_top_p_mask(logits, k, p), ref > -math.inf), (k, p)
+    # a sampled token the trainer's own filter leaves out (bf16 noise at the boundary) still gets a finite logp
+    lp, _ = gc.chunked_logprobs(torch.tensor([[2.0, 1.0, 0.0]]), torch.eye(3), torch.tensor([2]), 1.0, 4, 1, 1.0)
+    assert close(lp, -math.log(math.e ** 2 + 1))
+
+
+def tiny_llama(vocab=64, hidden=32, heads=4, kv_heads=2, tie=True):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                         tie_word_embeddings=True, attn_implementation="sdpa")
+                         tie_word_embeddings=tie, attn_implementation="sdpa")
     return LlamaForCausalLM(config).eval()
 
 
@@ -264,6 +299,43 @@ def test_check_distinct_shards_sees_positions_not_prompts(monkeypatch):
         gc.check_distinct_shards([4, 5], world_of([4, 5], [5, 6]))
 
 
+def test_truncated_means_no_eos_as_in_trl():
+    assert gc.is_truncated([5, 6, 7], "length", {2})  # cut off at max_completion_length
+    assert not gc.is_truncated([5, 6, 2], "length", {2, 9})  # EOS was the last token allowed: it ended
+    assert not gc.is_truncated([5, 9], "stop", {2, 9})
+
+
+def test_parity_probe_fits_the_engine():
+    tok = gc.load_tokenizer(MODEL)
+    row = {"prompt_ids": list(range(100, 120)), "answer": "She sold 48 / 2 = 24 clips in May. " * 20 + "#### 72"}
+    probe = gc.parity_probe(tok, row, 20 + 16)  # a GSM8K-style worked solution; max_model_len 20 + 16
+    assert len(probe) == 35 and probe[:20] == row["prompt_ids"]
+    short = gc.parity_probe(tok, {"prompt_ids": [1, 2], "answer": "7"}, 36)
+    assert short == [1, 2] + tok("#### 7", add_special_tokens=False)["input_ids"]
+
+
+def test_metrics_line_is_strict_json():
+    line = gc.json_line({"step": 3, "grad_norm": float("nan"), "kl": float("inf"), "loss": 0.5})
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line) == {"step": 3, "grad_norm": None, "kl": None, "loss": 0.5}
+
+
+def test_mfu_params_skip_the_input_embedding_but_count_the_lm_head():
+    vocab, hidden = 64, 32
+    tied, untied = tiny_llama(tie=True), tiny_llama(tie=False)
+    total = sum(p.numel() for p in untied.parameters())
+    assert gc.matmul_params(untied) == total - vocab * hidden  # the embedding lookup costs no FLOPs
+    assert gc.matmul_params(tied) == total - vocab * hidden  # a tied lm_head is still a matmul
+    assert sum(p.numel() for p in tied.parameters()) == total - vocab * hidden
+
+
+@pytest.mark.parametrize("name,peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                                       ("NVIDIA H100 NVL", 835e12), ("NVIDIA H200", 989e12), ("NVIDIA H800", 989e12), ("Tesla T4", None)])
+def test_peak_flops_tells_h100_pcie_from_sxm(monkeypatch, name, peak):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert gc.peak_flops(SimpleNamespace(device=torch.device("cuda", 0))) == peak
+
+
 def test_derive_seed_stable_and_distinct():
     assert gc.derive_seed(1, "rollout", 3, 0) == gc.derive_seed(1, "rollout", 3, 0)
     assert len({gc.derive_seed(s, "rollout", 3, e) for s in range(3) for e in range(3)}) == 9
@@ -306,6 +378,7 @@ def test_parse_args_types_and_bools():
     (["--resume_from_checkpoint", "/nonexistent"], "--resume_from_checkpoint"),
     (["--weight_push_bucket_mb", "0"], "--weight_push_bucket_mb"),
     (["--fsdp_cpu_offload"], "--fsdp_cpu_offload"),  # without --fsdp
+    (["--ignore_eos", "--mask_truncated_completions"], "--mask_truncated_completions"),  # would mask everything
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -491,6 +564,54 @@ def test_non_finite_step_is_skipped():
     assert all(p.grad is None for p in policy.parameters()) and scheduler.last_epoch == 0
     sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, {})
     assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+class RecordingEngine:
+    """Stands in for vllm.LLM in the engine-schedule test below: notes sleeps, returns fixed completions."""
+    awake = True
+
+    def sleep(self, level):
+        self.awake = False
+
+    def generate(self, requests, params, use_tqdm=False):
+        def sample():
+            return SimpleNamespace(token_ids=[5, 6, 7], finish_reason="length", logprobs=None)
+        return [SimpleNamespace(outputs=[sample() for _ in range(params.n)]) for _ in requests]
+
+
+def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
+    """An eval mid-way through num_iterations wakes the engine (and pushes): it must sleep again before the next
+    train step. Sleep mode is GPU-only, so this runs train()'s real schedule with env.sleep on and a recording
+    stand-in for the engine, and checks the engine's state at every train step."""
+    tok = gc.load_tokenizer(MODEL)
+    tiny_llama(vocab=len(tok)).save_pretrained(tmp_path / "tiny")
+    cfg = gc.Config(model=str(tmp_path / "tiny"), num_generations=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=1, num_iterations=2, max_steps=2, eval_steps=1, save_steps=-1,
+                    vllm_importance_sampling_correction=False, reward_funcs=["reward_len"], output_dir=str(tmp_path))
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    env = gc.setup_distributed(cfg)
+    env.sleep, engine, events, train_step = True, RecordingEngine(), [], gc.train_step
+
+    def sync_engine(llm, *args):  # the wake + push + parity check
+        llm.awake = True
+        events.append("push")
+        return {"parity_gap": 0.0}
+
+    def recording_train_step(*args):
+        events.append("train, engine " + ("awake" if engine.awake else "asleep"))
+        return train_step(*args)
+    monkeypatch.setattr(gc, "make_engine", lambda *args: engine)
+    monkeypatch.setattr(gc, "sync_engine", sync_engine)
+    monkeypatch.setattr(gc, "train_step", recording_train_step)
+    rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
+    try:
+        gc.train(cfg, env, None, (tok, rows, rows[:1]))
+    finally:
+        dist.destroy_process_group()
+    # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
+    assert events == ["push", "train, engine asleep", "push", "train, engine asleep", "push"]
 
 
 def _save_twice_and_die(out, port):
@@ -805,7 +926,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
         "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
         "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
-        "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
+        "--temperature", "0.9", "--top_p", "0.9", "--top_k", "50", "--lr_scheduler_type", "cosine",
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
@@ -817,10 +938,56 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
     assert r["parity_gap"] < 1e-4 and "rewards/reward_len" in r and "rewards/format_reward" in r
+    assert r["logprob_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
+
+
+DUMP_REWARD = '''
+import json, os, torch
+def dump(prompts, completions, **columns):  # what each rank sampled, and the seed it sampled with
+    with open(os.path.join(os.environ["DUMP_DIR"], "rank" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({"local_rank": os.environ["LOCAL_RANK"], "seed": torch.initial_seed(), "texts": completions}, f)
+    return [0.0] * len(completions)
+'''
+
+
+def test_e2e_two_nodes_on_one_host(tmp_path):
+    """Two torchrun "nodes" of one process each, started together as on a cluster: RANK 0 and 1, LOCAL_RANK 0 on
+    both. One real step with the tiny random Llama: both finish, the parity check passes, and the two engines
+    sampled with different seeds (a seed from LOCAL_RANK would repeat across nodes)."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(AutoTokenizer.from_pretrained(MODEL)), hidden=256).save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
+    (tmp_path / "dump_reward.py").write_text(DUMP_REWARD)
+    out, port, logs = str(tmp_path / "out"), free_port(), [str(tmp_path / f"node{n}.log") for n in range(2)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DUMP_DIR": str(tmp_path),
+           "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}", os.path.join(HERE, "grpo_colocate.py"),
+         "--model", model_dir, "--num_generations", "4", "--per_device_train_batch_size", "4",
+         "--gradient_accumulation_steps", "1", "--max_prompt_length", "96", "--max_completion_length", "8",
+         "--num_eval", "4", "--max_steps", "1", "--eval_steps", "0", "--save_steps", "-1",
+         "--reward_funcs", "dump_reward:dump", "--output_dir", out],
+        cwd=HERE, env=env, stdout=open(logs[n], "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        for n in range(2)]
+    try:
+        codes = [node.wait(timeout=600) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    assert codes == [0, 0], [open(log).read()[-4000:] for log in logs]
+    assert "world 2 = 2 engine(s) x tp 1" in open(logs[0]).read()
+    assert read_metrics(out)[-1]["parity_gap"] < 1e-4
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert [r["local_rank"] for r in ranks] == ["0", "0"]
+    assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
 
 
 # ------------------------------------------------------------------------------------------------------------
