@@ -576,7 +576,8 @@ class RecordingEngine:
     def generate(self, requests, params, use_tqdm=False):
         def sample():
             return SimpleNamespace(token_ids=[5, 6, 7], finish_reason="length", logprobs=None)
-        return [SimpleNamespace(outputs=[sample() for _ in range(params.n)]) for _ in requests]
+        per_request = params if isinstance(params, list) else [params] * len(requests)
+        return [SimpleNamespace(outputs=[sample() for _ in range(p.n)]) for p in per_request]
 
 
 def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
