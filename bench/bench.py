@@ -1,14 +1,14 @@
 """bench.py: the measurements behind BENCHMARKS.md. Not needed to train; `bash run.sh bench ...` drives it.
 
-    torchrun --nproc_per_node N bench.py standalone OUT.json <grpo_colocate flags>
+    torchrun --nproc_per_node N bench/bench.py standalone OUT.json <grpo_colocate flags>
         vLLM alone (no trainer, no sleep) on exactly the requests the trainer's first steps generate
-    torchrun --nproc_per_node 1 bench.py sleep OUT.json <grpo_colocate flags>
+    torchrun --nproc_per_node 1 bench/bench.py sleep OUT.json <grpo_colocate flags>
         sleep(1) / sleep(2): GPU memory freed and the time to sleep and wake; then one real GRPO step and a
         level-2 wake WITHOUT the weight push, which the parity check must reject
-    python bench.py make-model SHAPE DIR TOKENIZER_DIR      random-init model of a real shape (qwen2.5-1.5b, ...)
-    python bench.py pad-heads SRC TP                        SmolLM2 with zero-padded heads, so tp=2/4 can split it
-    python bench.py summarize NAME METRICS.jsonl STANDALONE.json [SKIP]   one BENCHMARKS.md row (median of steps)
-    python bench.py plot OUT.png LABEL=METRICS.jsonl [...]   reward and held-out accuracy curves (matplotlib)
+    python bench/bench.py make-model SHAPE DIR TOKENIZER_DIR      random-init model of a real shape (qwen2.5-1.5b, ...)
+    python bench/bench.py pad-heads SRC TP                        SmolLM2 with zero-padded heads, so tp=2/4 can split it
+    python bench/bench.py summarize NAME METRICS.jsonl STANDALONE.json [SKIP]   one BENCHMARKS.md row (median of steps)
+    python bench/bench.py plot OUT.png LABEL=METRICS.jsonl [...]   reward and held-out accuracy curves (matplotlib)
 """
 
 import json
@@ -21,7 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import grpo_colocate as gc
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate.py: the repo root
+import grpo_colocate as gc  # noqa: E402
 
 SHAPES = {  # public configs of real models; the weights are random (mechanics and speed only)
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
