@@ -110,9 +110,8 @@ class Config:
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
     # the GRPO batch
     num_generations: int = arg(8, "G: completions sampled per prompt (one group)")
-    per_device_train_batch_size: int = arg(16, "with gradient_accumulation_steps: per_device_train_batch_size x "
-                                           "gradient_accumulation_steps completions per process and step (TRL's "
-                                           "generation batch); micro-batches are cut by --max_tokens_per_microbatch")
+    per_device_train_batch_size: int = arg(16, "x gradient_accumulation_steps = completions per process and step "
+                                           "(TRL's generation batch); --max_tokens_per_microbatch cuts micro-batches")
     gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size; one generation feeds one step")
     max_tokens_per_microbatch: int = arg(8192, "token budget (prompt + completion) of one packed, padding-free "
                                          "micro-batch: bounds the trainer's activation memory")
@@ -161,10 +160,8 @@ class Config:
                      "decoder layer + the root) instead of replicating them with DDP: for models of billions")
     fsdp_cpu_offload: bool = arg(False, "with --fsdp: keep the sharded fp32 parameters, gradients and AdamW state in "
                                  "CPU RAM (FSDP2 CPUOffloadPolicy); the optimizer step runs on the CPU")
-    gradient_checkpointing: str = arg("auto", "recompute each decoder layer's activations in backward instead of "
-                                      "storing them (far less memory, about a third more train compute): true | "
-                                      "false | auto (on when the token budget would not fit the GPU; see "
-                                      "use_checkpointing)")
+    gradient_checkpointing: str = arg("auto", "recompute each decoder layer in backward instead of storing its "
+                                      "activations: true | false | auto (on when the token budget would not fit)")
     # run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     max_steps: int = arg(200, "optimizer steps")
@@ -237,9 +234,8 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
     need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
     need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
-    longest = cfg.max_prompt_length + cfg.max_completion_length
-    need(cfg.max_tokens_per_microbatch >= longest, "max_tokens_per_microbatch", f"{cfg.max_tokens_per_microbatch} "
-         f"< max_prompt_length + max_completion_length = {longest}: the longest sequence must fit; raise it")
+    need(cfg.max_tokens_per_microbatch >= cfg.max_prompt_length + cfg.max_completion_length,
+         "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it")
     need(cfg.gradient_checkpointing in ("auto", "true", "false"), "gradient_checkpointing", "use auto, true or false")
     need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
     need(cfg.max_steps >= 1, "max_steps", f"is {cfg.max_steps}; train for at least 1 step")
@@ -512,9 +508,7 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
         # platform decisions, made once: the step itself has no CPU/GPU branches
         sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
         push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
-        # packed micro-batches: FlashAttention's varlen kernel inside torch on CUDA; elsewhere sdpa, to which
-        # transformers hands a block-diagonal causal mask that it builds from the restarting position ids
-        attention="varlen" if cuda and importlib.util.find_spec("torch.nn.attention.varlen") else "sdpa",
+        attention="varlen" if cuda else "sdpa",  # packed attention: torch's varlen kernel, or sdpa + a block mask
     )
 
 
@@ -615,8 +609,6 @@ def load_tokenizer(path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:  # only used to fill padding columns, which every mask excludes
-        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
@@ -850,9 +842,8 @@ def check_parity(llm, policy, probe_ids, env, step) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 class Policy(nn.Module):
-    """HF causal LM -> per-token logprobs and entropies of the completion tokens of a packed micro-batch (see pack).
-    This is the module DDP wraps (its gradient hooks need the forward to go through the wrapper) and the root that
-    FSDP2 shards."""
+    """HF causal LM -> per-token logprobs and entropies of the completion tokens of a packed micro-batch. This is the
+    module DDP wraps (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -873,11 +864,8 @@ class Policy(nn.Module):
         # the state at column j predicts the token at column j + 1; only completion tokens go through the lm_head
         lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
                                    input_ids[0, completion_index], temperature, self.chunk_size)  # [n]
-        active = completion_mask.bool()  # row-major order of its ones = sequence by sequence = the packed order
-        logps = torch.zeros(completion_mask.shape, dtype=lp.dtype, device=lp.device)
-        entropy = torch.zeros_like(logps)
-        logps[active], entropy[active] = lp, ent
-        return logps, entropy  # [B, T], [B, T]
+        # unpack: the ones of completion_mask in row-major order are the completion tokens in the packed order
+        return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x) for x in (lp, ent))
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -895,16 +883,16 @@ def autocast(env):
     return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention over packed sequences on CUDA, registered with transformers as "varlen": query [1, heads, L, D],
-    key/value [1, kv_heads, L, D]; token j attends to the tokens <= j of its own sequence, the sequences given by
-    cu_seq_lens_q (their starts, then L; Policy.forward passes it). torch's FlashAttention kernel, in bf16."""
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
+                     **kwargs):
+    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
+    kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from Policy.forward)."""
     from torch.nn.attention.varlen import varlen_attn
 
     repeat = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `repeat` query heads
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16)  # [L, heads, D]
                for x in (query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)))
-    cu, longest = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    cu, longest = cu_seq_lens_q, max_length_q
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0))  # (-1, 0): causal
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
 
@@ -941,21 +929,15 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
 
 
 def use_checkpointing(cfg: Config, lm: nn.Module, env) -> bool:
-    """--gradient_checkpointing auto: on when the trainer's estimated peak would not fit in 85% of the GPU (the
-    rest: CUDA context, what a sleeping engine keeps, fragmentation). Estimate, per rank, in bytes:
-        16 x params / shards                  fp32 weights, gradients, AdamW m and v (on the CPU with offload),
-                                              + 2 x params / shards for a bf16 reference model (beta > 0)
-      + 120 x hidden x layers x token budget  activations, measured: 9,664 packed tokens of a Qwen2.5-1.5B shape
-                                              took 46 GiB beside its weights and gradients (H100, bf16 autocast)
-    The 1.5B shape at the default budget: 25 + 42 GB, off on an 80 GB GPU; 7B with FSDP2 on 2-4 H200s: on."""
+    """--gradient_checkpointing auto: on when the peak per rank would exceed 85% of the GPU. Bytes: 16 per parameter
+    and shard (fp32 weights, grads, AdamW m, v; + 2 for a bf16 reference) + 120 x hidden x layers per budget token
+    (measured at 1.5B: 9,664 packed tokens took 46 GiB of activations). 1.5B at 8192 tokens: 25 + 42 GB: off."""
     if cfg.gradient_checkpointing != "auto" or env.device.type != "cuda":
         return cfg.gradient_checkpointing == "true"
-    c = lm.config
-    per_param = 0 if cfg.fsdp_cpu_offload else 16 + 2 * (cfg.beta > 0)  # + the bf16 reference model
-    state = per_param * sum(p.numel() for p in lm.parameters()) / (env.world if cfg.fsdp else 1)
-    activations = 120 * c.hidden_size * c.num_hidden_layers * cfg.max_tokens_per_microbatch
-    usable = 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes)
-    return state + activations > usable
+    per_param = 0 if cfg.fsdp_cpu_offload else (16 + 2 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
+    need = per_param * sum(p.numel() for p in lm.parameters()) + 120 * lm.config.hidden_size * \
+        lm.config.num_hidden_layers * cfg.max_tokens_per_microbatch
+    return need > 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes)
 
 
 def lr_lambda(cfg: Config):
@@ -1008,13 +990,11 @@ def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]]):
-    """Sequences (prompt + completion) concatenated into ONE row, no padding:
-    input_ids, position_ids: [1, L], L the total length, position ids restarting at 0 at each sequence (which is how
-    RoPE and the attention kernel know where a sequence begins); completion_index: [n], the column of every
-    completion token, sequence by sequence."""
+    """Sequences (prompt + completion) concatenated into ONE row, no padding: input_ids, position_ids [1, L], the
+    position ids restarting at 0 at each sequence (so RoPE and the attention kernel know where a sequence begins);
+    completion_index [n]: the column of every completion token, sequence by sequence."""
     ids, positions, index = [], [], []
     for p, c in zip(prompts, completions):
-        assert p, "every sequence needs a prompt token: it predicts the first completion token"
         index += range(len(ids) + len(p), len(ids) + len(p) + len(c))
         ids += p + c
         positions += range(len(p) + len(c))
@@ -1022,20 +1002,17 @@ def pack(prompts: list[list[int]], completions: list[list[int]]):
 
 
 def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list[range]:
-    """Cut sequences, in order, into micro-batches of at most `budget` tokens each (a longer sequence is one on its
-    own). count > 0 (at least what the budget needs, at most the number of sequences): exactly that many, the
-    micro-batch of the most tokens halved until there are enough (all ranks must run the same number)."""
-    cuts, start, tokens = [], 0, 0
-    for i, n in enumerate(lengths):
-        if i > start and tokens + n > budget:
+    """Cut sequences, in order, into micro-batches of <= budget tokens (a longer sequence alone). With count (>= that
+    many, <= the sequences): exactly count, halving the micro-batch of the most tokens until there are enough."""
+    cuts, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
             cuts.append(range(start, i))
-            start, tokens = i, 0
-        tokens += n
-    cuts.append(range(start, len(lengths)))
+            start = i
     while len(cuts) < count:
-        k = max((k for k, r in enumerate(cuts) if len(r) > 1), key=lambda k: sum(lengths[j] for j in cuts[k]))
-        r = cuts[k]
-        cuts[k:k + 1] = [range(r.start, r.start + len(r) // 2), range(r.start + len(r) // 2, r.stop)]
+        r = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
+        k, mid = cuts.index(r), r.start + len(r) // 2
+        cuts[k:k + 1] = [range(r.start, mid), range(mid, r.stop)]
     return cuts
 
 
@@ -1076,7 +1053,8 @@ def rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_in
             vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
     grouped = rewards.view(-1, G)
     return SimpleNamespace(
-        prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask, advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
+        prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
+        advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
@@ -1095,19 +1073,16 @@ def plan_micro_batches(batch, cfg, env) -> list[range]:
 
 
 def micro_batch(batch, rows: range, device):
-    """Sequences `rows` of the batch packed into one row (see pack); the [b, T] tensors cut to their longest
-    completion."""
+    """Sequences `rows` of the batch packed into one row (see pack), [b, T] tensors cut to their longest completion."""
     rows = slice(rows.start, rows.stop)
-    T = max(1, max(len(c) for c in batch.completion_ids[rows]))
-    input_ids, position_ids, completion_index = pack(batch.prompt_ids[rows], batch.completion_ids[rows])
+    T = max(1, max(map(len, batch.completion_ids[rows])))
 
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[rows, :T].to(device)
     return SimpleNamespace(
-        input_ids=input_ids.to(device), position_ids=position_ids.to(device),
-        completion_index=completion_index.to(device), completion_mask=take(batch.completion_mask),
-        loss_mask=take(batch.loss_mask), advantages=batch.advantages[rows].to(device),
-        vllm_logps=take(batch.vllm_logps), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
+        packed=[x.to(device) for x in pack(batch.prompt_ids[rows], batch.completion_ids[rows])],  # Policy's inputs
+        completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
+        advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
 
 def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
@@ -1117,7 +1092,7 @@ def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
     with torch.no_grad(), autocast(env):
         for rows in plan_micro_batches(batch, cfg, env):
             mb = micro_batch(batch, rows, env.device)
-            logps, _ = model(mb.input_ids, mb.position_ids, mb.completion_index, mb.completion_mask, cfg.temperature)
+            logps, _ = model(*mb.packed, mb.completion_mask, cfg.temperature)
             out[rows.start:rows.stop, :logps.shape[1]] = logps.float().cpu()
     reshard(model)
     return out
@@ -1145,18 +1120,14 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
     plan = plan_micro_batches(batch, cfg, env)
-    # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by
-    # the GLOBAL count (sequences, or tokens for dapo), so the micro-batches' losses add up to the batch's loss.
-    # DDP and FSDP2 average gradients over ranks (/ world): x world turns that average back into the sum.
-    # bnpo stays a token mean per micro-batch, averaged over the micro-batches (and ranks).
-    if cfg.loss_type == "bnpo":
-        num_items, loss_scale = None, 1.0 / len(plan)
-    else:
-        count = batch.loss_mask.sum() if cfg.loss_type == "dapo" else torch.tensor(float(len(batch.completion_ids)))
-        count = count.to(env.device)
-        if env.world > 1:
-            dist.all_reduce(count)
-        num_items, loss_scale = count.item(), env.world
+    # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
+    # GLOBAL count (sequences; tokens for dapo). DDP and FSDP2 average gradients over ranks (/ world): x world undoes
+    # that. bnpo stays a token mean per micro-batch, averaged over the micro-batches (and ranks).
+    count = batch.loss_mask.sum() if cfg.loss_type == "dapo" else batch.loss_mask.new_tensor(len(batch.loss_mask))
+    count = count.to(env.device)
+    if env.world > 1:
+        dist.all_reduce(count)
+    num_items, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
     sums = {}  # token-weighted sums of the per-micro-batch stats, for logging
 
     def add(name, value, weight):
@@ -1170,8 +1141,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
             sync = nullcontext() if (i == len(plan) - 1 or not isinstance(policy, DDP)) else policy.no_sync()
             with sync:
                 with autocast(env):
-                    logps, entropy = policy(mb.input_ids, mb.position_ids, mb.completion_index, mb.completion_mask,
-                                            cfg.temperature)
+                    logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature)
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:

@@ -103,7 +103,8 @@ def test_grpo_loss_normalisations(loss_type, expected):
 def test_grpo_loss_global_counts():
     # num_items: the global batch's tokens (dapo) or sequences (grpo, dr_grpo), over all ranks and micro-batches
     assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", num_items=10)[0], MASKED_SUM / 10)
-    assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, "grpo", num_items=8)[0], (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 8)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "grpo", num_items=8)
+    assert close(loss, (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 8)
     loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo", max_completion_length=4, num_items=8)
     assert close(loss, MASKED_SUM / (8 * 4))
 
@@ -255,16 +256,33 @@ def test_split_micro_batches():
     assert len(gc.split_micro_batches(lengths, 10, 6)) == 6
 
 
+def test_use_checkpointing_auto(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))  # an 80 GiB GPU
+    lm = SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28),  # the Qwen2.5-1.5B shape
+                         parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
+    env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True, engine_bytes=0)
+    # 16 x 1.54e9 = 24.7 GB + 120 x 1536 x 28 x 8192 = 42.3 GB: 67.0 GB < 0.85 x 85.9 GB = 73.0 GB
+    assert not gc.use_checkpointing(gc.Config(), lm, env)
+    assert gc.use_checkpointing(gc.Config(max_tokens_per_microbatch=16384), lm, env)  # 109 GB
+    assert not gc.use_checkpointing(gc.Config(beta=0.04), lm, env)  # + a bf16 reference: 70.1 GB
+    env.sleep, env.engine_bytes = False, 8 << 30  # an engine that stays awake: 73.0 - 8.6 GB left
+    assert gc.use_checkpointing(gc.Config(), lm, env)
+    assert not gc.use_checkpointing(gc.Config(gradient_checkpointing="false"), lm, env)
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert gc.use_checkpointing(gc.Config(gradient_checkpointing="true"), lm, cpu)
+    assert not gc.use_checkpointing(gc.Config(), lm, cpu)  # auto: off on the CPU
+
+
 def test_micro_batch_packs_rows_and_cuts_columns():
     completion_mask = gc.completion_mask_of(COMPLETIONS)
     batch = gc.SimpleNamespace(prompt_ids=PROMPTS, completion_ids=COMPLETIONS, completion_mask=completion_mask,
                                loss_mask=completion_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
                                old_logps=torch.ones(3, 3), ref_logps=None)
     mb = gc.micro_batch(batch, range(0, 1), "cpu")
-    assert mb.input_ids.tolist() == [[5, 6, 7, 10, 11]] and mb.completion_index.tolist() == [3, 4]
+    assert [x.tolist() for x in mb.packed] == [[[5, 6, 7, 10, 11]], [[0, 1, 2, 3, 4]], [3, 4]]
     assert mb.completion_mask.tolist() == [[1, 1]] and mb.old_logps.shape == (1, 2)  # T: its longest completion
     mb = gc.micro_batch(batch, range(1, 3), "cpu")
-    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0]] and mb.advantages.tolist() == [1.0, 2.0]
+    assert mb.packed[1].tolist() == [[0, 1, 2, 3, 4, 0]] and mb.advantages.tolist() == [1.0, 2.0]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -674,7 +692,7 @@ def reference(loss_type):
     """The definition: both ranks' sequences as ONE batch, each sequence run alone (unpadded, unpacked)."""
     lm, everyone = gc.load_lm(MODEL, "cpu"), [None, None]
     torch.distributed.all_gather_object(everyone, (prompts, completions, batch.advantages))
-    logps = [lm(torch.tensor([p + c])).logits[0, len(p) - 1:-1].log_softmax(-1).gather(-1, torch.tensor(c)[:, None])[:, 0]
+    logps = [lm(torch.tensor([p + c])).logits[0, len(p) - 1:-1].log_softmax(-1)[torch.arange(len(c)), c]
              for P, C, _ in everyone for p, c in zip(P, C)]
     mask = gc.completion_mask_of([c for _, C, _ in everyone for c in C]).float()
     logps = torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
