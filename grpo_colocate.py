@@ -18,7 +18,7 @@ One step (one optimizer update; see "the step" near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over micro-batches, DDP all-reduce (or FSDP2 reduce-scatter), AdamW
+    train      clipped surrogate over packed token-budget micro-batches, DDP all-reduce (or FSDP2), AdamW
     push       wake the engine's weights, copy the trained weights in, wake its KV cache, check parity
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 

@@ -6,8 +6,9 @@ TRL and `datasets` are needed here, never by grpo_colocate.py.
         GRPOTrainer on the same model, prompts (same order, same rank), batch and lengths; OUT_DIR/metrics.jsonl gets
         a line per optimizer step with grpo_colocate's metric names. Without --trl_defaults every setting is ours
         (gradient checkpointing: on iff our --gradient_checkpointing is true; auto counts as off). With it, only the
-        workload (model, data, G, batch, lengths, lr, steps, seed, ignore_eos, engine memory/tp/sleep) is ours and the
-        rest is GRPOConfig's defaults (gradient checkpointing on, among others). --trl_gradient_checkpointing overrides both.
+        workload (model, data, G, batch, lengths, lr, steps, seed, ignore_eos, engine memory/tp/sleep) is ours and
+        the rest is GRPOConfig's defaults (gradient checkpointing on, among others). --trl_gradient_checkpointing
+        overrides both.
     python bench/bench_trl.py compare OURS_METRICS.jsonl TRL_METRICS.jsonl NAME [SKIP]
         one markdown row of medians over the steps after SKIP (2) warm-up steps, and a `ROW {json}` line:
         | name | step s ours / TRL | tok/s/GPU ours / TRL | ours/TRL | ours: generate / reward / push+sleep+parity /
