@@ -146,7 +146,7 @@ def sleep_bench(out, argv):
               f"{t_weights:.3f}s + kv {t_kv:.3f}s", flush=True)
 
     # one real GRPO step, exactly as the trainer does it
-    lm = gc.load_lm(cfg.model, env.device)
+    lm = gc.load_lm(cfg.model, env.device, env.attention)
     policy = gc.wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
