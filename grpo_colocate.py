@@ -890,10 +890,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu
     from torch.nn.attention.varlen import varlen_attn
 
     repeat = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `repeat` query heads
-    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16)  # [L, heads, D]
+    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, heads, D]
                for x in (query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)))
-    cu, longest = cu_seq_lens_q, max_length_q
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0))  # (-1, 0): causal
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                      window_size=(-1, 0))  # (-1, 0): causal
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
 
 

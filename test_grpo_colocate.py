@@ -233,7 +233,8 @@ def test_varlen_attention_wiring(tmp_path, monkeypatch):
 
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert window_size == (-1, 0) and q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
-        assert q.shape == k.shape and max_q == int((cu_q[1:] - cu_q[:-1]).max()) and torch.equal(cu_q, cu_k)
+        assert q.shape == k.shape and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and torch.equal(cu_q, cu_k)
         out = torch.empty_like(q)  # [L, heads, D]
         for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
             qkv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))  # [heads, l, D]
