@@ -852,8 +852,7 @@ class Policy(nn.Module):
         self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
     def forward(self, input_ids, position_ids, completion_index, completion_mask, temperature):
-        """input_ids, position_ids: [1, L], B sequences packed in one row; completion_index: [n], the column of
-        every completion token; completion_mask: [B, T], row i's first len(completion i) entries 1 (n in all).
+        """input_ids, position_ids, completion_index: B sequences packed by pack; completion_mask: [B, T] (n ones).
         Returns logps, entropy: [B, T] (0 where the mask is 0), unpacked to the layout grpo_loss takes."""
         starts = (position_ids[0] == 0).nonzero()[:, 0]  # where each sequence begins
         cu_seqlens = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).int()  # [B + 1]
@@ -929,9 +928,9 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
 
 
 def use_checkpointing(cfg: Config, lm: nn.Module, env) -> bool:
-    """--gradient_checkpointing auto: on when the peak per rank would exceed 85% of the GPU. Bytes: 16 per parameter
-    and shard (fp32 weights, grads, AdamW m, v; + 2 for a bf16 reference) + 120 x hidden x layers per budget token
-    (measured at 1.5B: 9,664 packed tokens took 46 GiB of activations). 1.5B at 8192 tokens: 25 + 42 GB: off."""
+    """--gradient_checkpointing auto: on when the peak per rank would pass 85% of the GPU: 16 bytes per parameter and
+    shard (fp32 weights, grads, AdamW m, v; + 2: a bf16 reference) + 120 x hidden x layers per budget token (measured
+    at 1.5B: 9,664 packed tokens took 46 GiB of activations). 1.5B at 8192 tokens: 25 + 42 GB, off on 80 GB."""
     if cfg.gradient_checkpointing != "auto" or env.device.type != "cuda":
         return cfg.gradient_checkpointing == "true"
     per_param = 0 if cfg.fsdp_cpu_offload else (16 + 2 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
