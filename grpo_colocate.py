@@ -18,7 +18,7 @@ One step (one optimizer update; see "the step" near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over micro-batches, DDP all-reduce (or FSDP2 reduce-scatter), AdamW
+    train      clipped surrogate over packed token-budget micro-batches, DDP all-reduce (or FSDP2), AdamW
     push       wake the engine's weights, copy the trained weights in, wake its KV cache, check parity
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
@@ -121,8 +121,11 @@ class Config:
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
     # the GRPO batch
     num_generations: int = arg(8, "G: completions sampled per prompt (one group)")
-    per_device_train_batch_size: int = arg(16, "completions per micro-batch on each process")
-    gradient_accumulation_steps: int = arg(8, "micro-batches per optimizer step; one generation feeds one step")
+    per_device_train_batch_size: int = arg(16, "x gradient_accumulation_steps = completions per process and step "
+                                           "(TRL's generation batch); --max_tokens_per_microbatch cuts micro-batches")
+    gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size; one generation feeds one step")
+    max_tokens_per_microbatch: int = arg(8192, "token budget (prompt + completion) of one packed, padding-free "
+                                         "micro-batch: bounds the trainer's activation memory")
     max_prompt_length: int = arg(256, "prompts with more tokens are dropped at load time (counted and logged)")
     max_completion_length: int = arg(256, "max new tokens per completion")
     num_iterations: int = arg(1, "mu: optimizer steps per generation batch (> 1 reuses it against frozen old logps)")
@@ -168,8 +171,8 @@ class Config:
                      "decoder layer + the root) instead of replicating them with DDP: for models of billions")
     fsdp_cpu_offload: bool = arg(False, "with --fsdp: keep the sharded fp32 parameters, gradients and AdamW state in "
                                  "CPU RAM (FSDP2 CPUOffloadPolicy); the optimizer step runs on the CPU")
-    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in backward instead of "
-                                       "storing them: far less memory, about a third more train compute")
+    gradient_checkpointing: str = arg("auto", "recompute each decoder layer in backward instead of storing its "
+                                      "activations: true | false | auto (on when the token budget would not fit)")
     # run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     max_steps: int = arg(200, "optimizer steps")
@@ -202,8 +205,9 @@ def parse_args(argv=None) -> Config:
         elif str(kind).startswith("list"):
             item = float if "float" in str(kind) else str
             parser.add_argument(f"--{f.name}", type=item, nargs="*", default=default, help=f.metadata["help"])
-        else:
-            parser.add_argument(f"--{f.name}", type=type(default), default=default, help=f.metadata["help"])
+        else:  # auto|true|false flags: a bare --flag means true
+            parser.add_argument(f"--{f.name}", type=type(default), default=default, help=f.metadata["help"],
+                                **(dict(nargs="?", const="true") if default == "auto" else {}))
     cfg = Config(**vars(parser.parse_args(argv)))
     if cfg.resume_from_checkpoint == "latest":
         cfg.resume_from_checkpoint = latest_checkpoint(cfg.output_dir)
@@ -242,6 +246,9 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
     need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
     need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+    need(cfg.max_tokens_per_microbatch >= cfg.max_prompt_length + cfg.max_completion_length,
+         "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it")
+    need(cfg.gradient_checkpointing in ("auto", "true", "false"), "gradient_checkpointing", "use auto, true or false")
     need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
     need(cfg.max_steps >= 1, "max_steps", f"is {cfg.max_steps}; train for at least 1 step")
     need(math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0, "learning_rate",
@@ -406,12 +413,12 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         r_t  = exp(logp_t - old_logp_t)                        (== 1 when num_iterations = 1; the gradient flows)
         l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t  +  beta * KL_t
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
-    and, with m the mask, over sequences i and tokens t:
-        grpo     mean_i [ sum_t l m / sum_t m ]               each sequence weighs the same
+    and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
+    micro-batches; num_items=None: this batch's own sequences N = B, or tokens):
+        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (num_items = N)
         bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
-        dr_grpo  sum_it l m / (B * max_completion_length)     a constant: no length bias
-        dapo     sum_it l m / num_items                       token mean over the global batch (all ranks and
-                                                              micro-batches; num_items=None: this batch's tokens)
+        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (num_items = N)
+        dapo     sum_it l m / num_items                       token mean over the global batch  (num_items = tokens)
     Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL.
     """
     mask = mask.to(logps.dtype)
@@ -426,14 +433,15 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         kl = torch.exp(delta) - delta - 1  # [B, T]
         per_token = per_token + beta * kl
 
+    sequences = logps.shape[0] if num_items is None else num_items
     if loss_type == "grpo":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     elif loss_type == "bnpo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif loss_type == "dr_grpo":
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        loss = (per_token * mask).sum() / (logps.shape[0] * max_completion_length)
+        loss = (per_token * mask).sum() / (sequences * max_completion_length)
     elif loss_type == "dapo":
         denominator = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=logps.dtype)
         loss = (per_token * mask).sum() / denominator.clamp(min=1)
@@ -556,6 +564,7 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
         # platform decisions, made once: the step itself has no CPU/GPU branches
         sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
         push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
+        attention="varlen" if cuda else "sdpa",  # packed attention: torch's varlen kernel, or sdpa + a block mask
     )
 
 
@@ -656,8 +665,6 @@ def load_tokenizer(path, trust_remote_code=False):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if tokenizer.pad_token_id is None:  # only used to fill padding columns, which every mask excludes
-        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
@@ -858,9 +865,9 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
     out = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0,
                                                                          detokenize=False), use_tqdm=False)[0]
     vllm_lp = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0])
-    ids = torch.tensor([probe_ids], device=env.device)
+    packed = [x.to(env.device) for x in pack([probe_ids[:1]], [probe_ids[1:]])]  # every token after the first
     with torch.no_grad(), autocast(env):
-        trainer_lp, _ = policy(ids, torch.ones_like(ids), torch.ones_like(ids[:, 1:]), 1.0)
+        trainer_lp, _ = policy(*packed, completion_mask_of([probe_ids[1:]]).to(env.device), 1.0)
     reshard(policy)
     return (trainer_lp[0].float().cpu() - vllm_lp).abs().mean().item()
 
@@ -912,8 +919,8 @@ def check_parity(llm, policy, probe_ids, env, step) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 class Policy(nn.Module):
-    """HF causal LM -> per-token logprobs and entropies of the completion tokens. This is the module DDP wraps
-    (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
+    """HF causal LM -> per-token logprobs and entropies of the completion tokens of a packed micro-batch. This is the
+    module DDP wraps (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
@@ -921,22 +928,20 @@ class Policy(nn.Module):
         # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
         self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
-    def forward(self, input_ids, attention_mask, completion_mask, temperature, top_k=0, top_p=1.0):
-        """input_ids, attention_mask: [B, L] = left-padded prompt + right-padded completion; completion_mask:
-        [B, T], the last T columns. Returns logps (top-k/top-p: over the kept set), entropy: [B, T] (0 off the mask)."""
-        T = completion_mask.shape[1]
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, L], count from each row's first token
-        hidden = self.lm.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids, use_cache=False).last_hidden_state  # [B, L, H]
-        hidden = hidden[:, -T - 1:-1]  # [B, T, H]: the state at column j predicts the token at column j + 1
-        targets = input_ids[:, -T:]  # [B, T]
-        active = completion_mask.bool()  # only real completion tokens go through the lm_head
-        lp, ent = chunked_logprobs(hidden[active], self.lm.get_output_embeddings().weight, targets[active],
-                                   temperature, self.chunk_size, top_k, top_p)  # [n_active]
-        logps = torch.zeros(completion_mask.shape, dtype=lp.dtype, device=lp.device)
-        entropy = torch.zeros_like(logps)
-        logps[active], entropy[active] = lp, ent
-        return logps, entropy  # [B, T], [B, T]
+    def forward(self, input_ids, position_ids, completion_index, completion_mask, temperature, top_k=0, top_p=1.0):
+        """input_ids, position_ids, completion_index: B sequences packed by pack; completion_mask: [B, T] (n ones).
+        Returns logps (top-k/top-p: over the kept set), entropy: [B, T] (0 off the mask), unpacked to [B, T]."""
+        starts = (position_ids[0] == 0).nonzero()[:, 0]  # where each sequence begins
+        cu_seqlens = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).int()  # [B + 1]
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                       cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest,
+                                       max_length_k=longest).last_hidden_state[0]  # [L, H]
+        # the state at column j predicts the token at column j + 1; only completion tokens go through the lm_head
+        lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
+                                   input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p)  # [n]
+        # unpack: the ones of completion_mask in row-major order are the completion tokens in the packed order
+        return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x) for x in (lp, ent))
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -954,10 +959,25 @@ def autocast(env):
     return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
 
 
-def load_lm(path: str, device, trust_remote_code=False) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
+                     **kwargs):
+    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
+    kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from Policy.forward)."""
+    from torch.nn.attention.varlen import varlen_attn
 
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa",
+    repeat = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `repeat` query heads
+    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, heads, D]
+               for x in (query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)))
+    out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
+                      window_size=(-1, 0))  # (-1, 0): causal
+    return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
+
+
+def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.Module:
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register("varlen", varlen_attention)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention,
                                               use_safetensors=True, trust_remote_code=trust_remote_code)
     lm.config.use_cache = False
     return lm.to(device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
@@ -970,7 +990,7 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
     it). Each decoder layer is gathered just before its forward and backward and freed after; gradients are
     reduce-scattered, so each rank keeps only its shard. Compute in env.dtype, gradient reduction in fp32."""
     policy = Policy(lm)
-    if cfg.gradient_checkpointing and trainable:  # keep each layer's input only; recompute the layer in backward
+    if trainable and use_checkpointing(cfg, lm, env):  # keep each layer's input only; recompute it in backward
         for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves one layer at a time to the GPU and shards it
@@ -983,6 +1003,18 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
         return policy
     return DDP(policy, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                gradient_as_bucket_view=True)
+
+
+def use_checkpointing(cfg: Config, lm: nn.Module, env) -> bool:
+    """--gradient_checkpointing auto: on when the peak per rank would pass 85% of the GPU: 16 bytes per parameter and
+    shard (fp32 weights, grads, AdamW m, v; + 2: a bf16 reference) + 120 x hidden x layers per budget token (measured
+    at 1.5B: 9,664 packed tokens took 46 GiB of activations). 1.5B at 8192 tokens: 25 + 42 GB, off on 80 GB."""
+    if cfg.gradient_checkpointing != "auto" or env.device.type != "cuda":
+        return cfg.gradient_checkpointing == "true"
+    per_param = 0 if cfg.fsdp_cpu_offload else (16 + 2 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
+    need = per_param * sum(p.numel() for p in lm.parameters()) + 120 * lm.config.hidden_size * \
+        lm.config.num_hidden_layers * cfg.max_tokens_per_microbatch
+    return need > 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes)
 
 
 def lr_lambda(cfg: Config):
@@ -1028,16 +1060,37 @@ def score(funcs, rows, completions: list[str], G: int) -> torch.Tensor:
     return torch.tensor(table, dtype=torch.float32).T  # [N, F]
 
 
-def collate(prompts: list[list[int]], completions: list[list[int]], pad_id: int):
-    """Left-pad prompts, right-pad completions, so every completion starts at the same column P:
-    input_ids, attention_mask: [N, P + T]; completion_mask: [N, T]."""
-    P, T = max(map(len, prompts)), max(1, max(map(len, completions)))
-    input_ids = torch.full((len(prompts), P + T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        input_ids[i, P - len(p):P + len(c)] = torch.tensor(p + c)
-        attention_mask[i, P - len(p):P + len(c)] = 1
-    return input_ids, attention_mask, attention_mask[:, P:].clone()
+def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
+    """[N, T]: 1 for each real completion token, completions right-aligned to column 0 (T: the longest)."""
+    lengths = torch.tensor([len(c) for c in completions])
+    return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]]):
+    """Sequences (prompt + completion) concatenated into ONE row, no padding: input_ids, position_ids [1, L], the
+    position ids restarting at 0 at each sequence (so RoPE and the attention kernel know where a sequence begins);
+    completion_index [n]: the column of every completion token, sequence by sequence."""
+    ids, positions, index = [], [], []
+    for p, c in zip(prompts, completions):
+        index += range(len(ids) + len(p), len(ids) + len(p) + len(c))
+        ids += p + c
+        positions += range(len(p) + len(c))
+    return torch.tensor([ids]), torch.tensor([positions]), torch.tensor(index, dtype=torch.long)
+
+
+def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list[range]:
+    """Cut sequences, in order, into micro-batches of <= budget tokens (a longer sequence alone). With count (>= that
+    many, <= the sequences): exactly count, halving the micro-batch of the most tokens until there are enough."""
+    cuts, start = [], 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
+            cuts.append(range(start, i))
+            start = i
+    while len(cuts) < count:
+        r = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
+        k, mid = cuts.index(r), r.start + len(r) // 2
+        cuts[k:k + 1] = [range(r.start, mid), range(mid, r.stop)]
+    return cuts
 
 
 def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
@@ -1072,7 +1125,7 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
     prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
-    input_ids, attention_mask, completion_mask = collate(prompt_ids, completion_ids, tokenizer.pad_token_id)
+    completion_mask = completion_mask_of(completion_ids)  # [N, T]
     truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, {tokenizer.eos_token_id}) for c in samples])
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
@@ -1084,42 +1137,47 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
             vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
     grouped = rewards.view(-1, G)
     return SimpleNamespace(
-        input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
-        loss_mask=loss_mask, advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
+        prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
+        advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
-               "prompt_tokens": attention_mask.sum() - completion_mask.sum()},
+               "prompt_tokens": sum(map(len, prompt_ids))},
     )
 
 
-def micro_batch(batch, start: int, size: int, device):
-    """Rows [start, start + size) of the batch, without the columns that are padding in every one of them."""
-    rows = slice(start, start + size)
-    P = batch.input_ids.shape[1] - batch.completion_mask.shape[1]
-    first = int((batch.attention_mask[rows, :P].sum(1)).max())  # the longest prompt of these rows
-    T = max(1, int(batch.completion_mask[rows].sum(1).max()))  # the longest completion of these rows
-    cols = slice(P - first, P + T)
+def plan_micro_batches(batch, cfg, env) -> list[range]:
+    """This rank's sequences cut into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every rank
+    (one all_reduce): FSDP2 gathers and reduce-scatters in every micro-batch, and unequal counts would hang."""
+    lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    count = torch.tensor(len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch)), device=env.device)
+    if env.world > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return split_micro_batches(lengths, cfg.max_tokens_per_microbatch, int(count))
 
-    def take(x):  # [N, T_max] -> [size, T]
+
+def micro_batch(batch, rows: range, device):
+    """Sequences `rows` of the batch packed into one row (see pack), [b, T] tensors cut to their longest completion."""
+    rows = slice(rows.start, rows.stop)
+    T = max(1, max(map(len, batch.completion_ids[rows])))
+
+    def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[rows, :T].to(device)
     return SimpleNamespace(
-        input_ids=batch.input_ids[rows, cols].to(device), attention_mask=batch.attention_mask[rows, cols].to(device),
-        completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask),
-        advantages=batch.advantages[rows].to(device), vllm_logps=take(batch.vllm_logps),
-        old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
+        packed=[x.to(device) for x in pack(batch.prompt_ids[rows], batch.completion_ids[rows])],  # Policy's inputs
+        completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
+        advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
 
 def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
-    """No-grad logprobs of `model` on the whole batch ([N, T] on the CPU): old logps (num_iterations > 1) or the
-    reference's (beta > 0)."""
+    """No-grad logprobs of `model` on the whole batch ([N, T] on the CPU), in the training micro-batches: old
+    logps (num_iterations > 1) or the reference's (beta > 0)."""
     out = torch.zeros(batch.completion_mask.shape)
-    size = cfg.per_device_train_batch_size
     with torch.no_grad(), autocast(env):
-        for start in range(0, out.shape[0], size):
-            mb = micro_batch(batch, start, size, env.device)
-            logps, _ = model(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
-            out[start:start + size, :logps.shape[1]] = logps.float().cpu()
+        for rows in plan_micro_batches(batch, cfg, env):
+            mb = micro_batch(batch, rows, env.device)
+            logps, _ = model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
+            out[rows.start:rows.stop, :logps.shape[1]] = logps.float().cpu()
     reshard(model)
     return out
 
@@ -1145,30 +1203,29 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
-    size, accum = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
-    # dapo divides by the global token count; DDP averages gradients over ranks, so scale by the world size
-    # to get sum_all / num_items. The other losses are per-micro-batch means: average over accumulation.
-    num_items = None
-    if cfg.loss_type == "dapo":
-        count = batch.loss_mask.sum().to(env.device)
+    plan = plan_micro_batches(batch, cfg, env)
+    # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
+    # GLOBAL count (sequences; tokens for dapo). DDP and FSDP2 average gradients over ranks (/ world): x world undoes
+    # that. bnpo stays a token mean per micro-batch, averaged over the micro-batches (and ranks).
+    count = batch.loss_mask.sum() if cfg.loss_type == "dapo" else batch.loss_mask.new_tensor(len(batch.loss_mask))
+    count = count.to(env.device)
+    if env.world > 1:
         dist.all_reduce(count)
-        num_items = count.item()
-    loss_scale = env.world if cfg.loss_type == "dapo" else 1.0 / accum
+    num_items, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
     sums = {}  # token-weighted sums of the per-micro-batch stats, for logging
 
     def add(name, value, weight):
         sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
 
     with timed(ledger, "train", env):
-        for i, start in enumerate(range(0, batch.input_ids.shape[0], size)):
-            mb = micro_batch(batch, start, size, env.device)
+        for i, rows in enumerate(plan):
+            mb = micro_batch(batch, rows, env.device)
             # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
             # unsharded gradients across micro-batches would cost a full model's worth of memory.
-            sync = nullcontext() if (i == accum - 1 or not isinstance(policy, DDP)) else policy.no_sync()
+            sync = nullcontext() if (i == len(plan) - 1 or not isinstance(policy, DDP)) else policy.no_sync()
             with sync:
                 with autocast(env):
-                    logps, entropy = policy(mb.input_ids, mb.attention_mask, mb.completion_mask, cfg.temperature,
-                                            cfg.top_k, cfg.top_p)
+                    logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -1410,11 +1467,11 @@ def train(cfg: Config, env, model_config, data):
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
-    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to, cfg.trust_remote_code)
+    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to, env.attention, cfg.trust_remote_code)
     n_params, flop_params = sum(p.numel() for p in lm.parameters()), matmul_params(lm)
     reference = None
     if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
-        ref_lm = load_lm(cfg.model, load_to, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
+        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
     policy = wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -1425,11 +1482,11 @@ def train(cfg: Config, env, model_config, data):
         scheduler.load_state_dict(state["scheduler"])
 
     trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + \
-        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * cfg.gradient_checkpointing
+        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * use_checkpointing(cfg, lm, env)
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
-           f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions = "
-           f"{cfg.gradient_accumulation_steps} micro-batches of {cfg.per_device_train_batch_size} | global batch "
+           f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions, in "
+           f"packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens ({env.attention}) | global batch "
            f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
            f"{min(prompts_per_rank * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"

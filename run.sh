@@ -95,16 +95,17 @@ fi
 
 if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then
   # bench: standalone vLLM, then the trainer, on the same requests; one BENCHMARKS.md row.
-  # compare: the trainer, then TRL 1.16's GRPOTrainer (bench_trl.py) with the same flags on the same GPUs; one row
+  # compare: the trainer, then TRL 1.16's GRPOTrainer (bench/bench_trl.py) with the same flags on the same GPUs; a row
   #   of the side-by-side table. TRL_FLAGS="--trl_defaults" (or "--trl_gradient_checkpointing") goes to TRL only.
   mode=$1 name=$2; shift 2
   nproc=${NPROC:-$GPUS}
   tp=$(echo " $* " | sed -n 's/.* --vllm_tensor_parallel_size \([0-9]*\) .*/\1/p'); tp=${tp:-1}
   case $name in
     smollm2-135m) model=$MODEL_DIR
-      [ "$tp" -gt 1 ] && { [ -d "$model-padded-tp$tp" ] || "$PY" bench.py pad-heads "$model" "$tp"; model=$model-padded-tp$tp; } ;;
+      [ "$tp" -gt 1 ] && { [ -d "$model-padded-tp$tp" ] || "$PY" bench/bench.py pad-heads "$model" "$tp"
+                           model=$model-padded-tp$tp; } ;;
     qwen2.5-*-shape) model=$CACHE/${name%-shape}-random
-      [ -f "$model/config.json" ] || "$PY" bench.py make-model "${name%-shape}" "$model" "$MODEL_DIR" ;;
+      [ -f "$model/config.json" ] || "$PY" bench/bench.py make-model "${name%-shape}" "$model" "$MODEL_DIR" ;;
     *) echo "unknown model $name"; exit 2 ;;
   esac
   label="$mode $* ${TRL_FLAGS:-}"  # a readable prefix, and a hash so that long flag lists stay distinct
@@ -114,22 +115,22 @@ if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then
          --max_prompt_length 128 --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0
          --save_steps -1 --learning_rate 1e-6 "$@")
   if [ "$mode" = bench ] && [ "${STANDALONE:-1}" = 1 ]; then  # STANDALONE=0: no generate-vs-standalone column
-    "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench.py standalone "$out/standalone.json" "${flags[@]}" \
+    "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench/bench.py standalone "$out/standalone.json" "${flags[@]}" \
       > "$out/standalone.log" 2>&1 || { tail -30 "$out/standalone.log"; exit 1; }
   fi
   "${TORCHRUN[@]}" --nproc_per_node "$nproc" grpo_colocate.py "${flags[@]}" --output_dir "$out" \
     > "$out/train.log" 2>&1 || { tail -30 "$out/train.log"; exit 1; }
   if [ "$mode" = bench ]; then
-    exec "$PY" bench.py summarize "$name x$nproc $*" "$out/metrics.jsonl" "$out/standalone.json"
+    exec "$PY" bench/bench.py summarize "$name x$nproc $*" "$out/metrics.jsonl" "$out/standalone.json"
   fi
   if ! "$PY" -c "import trl" 2>/dev/null; then  # a benchmark-only dependency, never imported by the trainer
     [ -n "${PYTHON:-}" ] && { echo "compare needs trl==1.16.0 in $PY"; exit 2; }
     quiet_pip install -q trl==1.16.0
   fi
   # shellcheck disable=SC2086
-  "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench_trl.py train "$out/trl" "${flags[@]}" ${TRL_FLAGS:-} \
+  "${TORCHRUN[@]}" --nproc_per_node "$nproc" bench/bench_trl.py train "$out/trl" "${flags[@]}" ${TRL_FLAGS:-} \
     > "$out/trl.log" 2>&1 || { tail -30 "$out/trl.log"; exit 1; }
-  exec "$PY" bench_trl.py compare "$out/metrics.jsonl" "$out/trl/metrics.jsonl" "$name x$nproc $* ${TRL_FLAGS:-}"
+  exec "$PY" bench/bench_trl.py compare "$out/metrics.jsonl" "$out/trl/metrics.jsonl" "$name x$nproc $* ${TRL_FLAGS:-}"
 fi
 
 # One process runs as plain python. Several need torchrun, which follows a failed process with a ~20-line report of

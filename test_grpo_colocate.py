@@ -101,9 +101,13 @@ def test_grpo_loss_normalisations(loss_type, expected):
     assert "kl" not in stats
 
 
-def test_grpo_loss_dapo_global_token_count():
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", num_items=10)
-    assert close(loss, MASKED_SUM / 10)
+def test_grpo_loss_global_counts():
+    # num_items: the global batch's tokens (dapo) or sequences (grpo, dr_grpo), over all ranks and micro-batches
+    assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", num_items=10)[0], MASKED_SUM / 10)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "grpo", num_items=8)
+    assert close(loss, (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 8)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo", max_completion_length=4, num_items=8)
+    assert close(loss, MASKED_SUM / (8 * 4))
 
 
 def test_grpo_loss_clip_higher():
@@ -233,31 +237,89 @@ def tiny_llama(vocab=64, hidden=32, heads=4, kv_heads=2, tie=True):
     return LlamaForCausalLM(config).eval()
 
 
-def test_policy_forward_matches_unpadded_model():
-    lm = tiny_llama()
-    prompts, completions = [[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]]
-    input_ids, attention, completion_mask = gc.collate(prompts, completions, pad_id=0)
-    assert input_ids.tolist() == [[5, 6, 7, 10, 11, 0], [0, 8, 9, 12, 13, 14]]
-    assert completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
-    logps, _ = gc.Policy(lm)(input_ids, attention, completion_mask, 1.0)
-    for i, (p, c) in enumerate(zip(prompts, completions)):  # each row alone, no padding at all
-        ids = torch.tensor([p + c])
-        full = lm(ids).logits[0].log_softmax(-1)
+PROMPTS, COMPLETIONS = [[5, 6, 7], [8, 9], [4]], [[10, 11], [12, 13, 14], []]  # the last: an empty completion
+
+
+def test_pack():
+    input_ids, position_ids, completion_index = gc.pack(PROMPTS, COMPLETIONS)
+    assert input_ids.tolist() == [[5, 6, 7, 10, 11, 8, 9, 12, 13, 14, 4]]  # one row, no padding
+    assert position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]]  # restarting at every sequence
+    assert completion_index.tolist() == [3, 4, 7, 8, 9]
+    assert gc.completion_mask_of(COMPLETIONS).tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]
+
+
+def check_packed_logps(lm, attention_lm=None):
+    """The packed forward of (attention_lm or lm) == every sequence run alone through lm, unpacked to [B, T]."""
+    logps, _ = gc.Policy(attention_lm or lm)(*gc.pack(PROMPTS, COMPLETIONS), gc.completion_mask_of(COMPLETIONS), 1.0)
+    for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
+        full = lm(torch.tensor([p + c])).logits[0].log_softmax(-1)
         want = [full[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)]
-        assert torch.allclose(logps[i, :len(c)], torch.tensor(want), atol=1e-5)
+        assert torch.allclose(logps[i, :len(c)], torch.tensor(want), atol=1e-5 if attention_lm is None else 2e-3)
         assert (logps[i, len(c):] == 0).all()
 
 
-def test_micro_batch_trims_padding_columns():
-    prompts, completions = [[1, 2, 3, 4], [5], [6, 7]], [[8], [9, 10, 11], [12]]
-    input_ids, attention, completion_mask = gc.collate(prompts, completions, pad_id=0)
-    batch = gc.SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+def test_policy_packed_forward_matches_each_sequence_alone():
+    check_packed_logps(tiny_llama())  # sdpa: transformers builds the block-diagonal mask from the position ids
+
+
+def test_varlen_attention_wiring(tmp_path, monkeypatch):
+    """The CUDA path's attention function, with a per-sequence sdpa standing in for torch's varlen kernel (CUDA
+    only): GQA repeat, layouts, causal window, cu_seqlens from Policy.forward and the bf16 inputs it requires."""
+    import types
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0) and q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
+        assert q.shape == k.shape and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and torch.equal(cu_q, cu_k)
+        out = torch.empty_like(q)  # [L, heads, D]
+        for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            qkv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))  # [heads, l, D]
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale
+                                                                        ).transpose(0, 1).to(q.dtype)
+        return out
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn))
+    tiny_llama().save_pretrained(tmp_path)
+    lm = gc.load_lm(str(tmp_path), "cpu", "varlen")
+    assert lm.config._attn_implementation == "varlen"
+    check_packed_logps(gc.load_lm(str(tmp_path), "cpu"), lm)  # bf16 q/k/v: 2e-3
+
+
+def test_split_micro_batches():
+    lengths = [5, 5, 5, 5, 12, 3]
+    assert gc.split_micro_batches(lengths, 10) == [range(0, 2), range(2, 4), range(4, 5), range(5, 6)]  # 12 alone
+    assert gc.split_micro_batches(lengths, 100) == [range(0, 6)]
+    # exactly 3 (another rank needs 3): the one micro-batch is halved, then the half of more tokens (rows 3-5)
+    assert gc.split_micro_batches(lengths, 100, 3) == [range(0, 3), range(3, 4), range(4, 6)]
+    assert len(gc.split_micro_batches(lengths, 10, 6)) == 6
+
+
+def test_use_checkpointing_auto(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))  # an 80 GiB GPU
+    lm = SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28),  # the Qwen2.5-1.5B shape
+                         parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
+    env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True, engine_bytes=0)
+    # 16 x 1.54e9 = 24.7 GB + 120 x 1536 x 28 x 8192 = 42.3 GB: 67.0 GB < 0.85 x 85.9 GB = 73.0 GB
+    assert not gc.use_checkpointing(gc.Config(), lm, env)
+    assert gc.use_checkpointing(gc.Config(max_tokens_per_microbatch=16384), lm, env)  # 109 GB
+    assert not gc.use_checkpointing(gc.Config(beta=0.04), lm, env)  # + a bf16 reference: 70.1 GB
+    env.sleep, env.engine_bytes = False, 8 << 30  # an engine that stays awake: 73.0 - 8.6 GB left
+    assert gc.use_checkpointing(gc.Config(), lm, env)
+    assert not gc.use_checkpointing(gc.Config(gradient_checkpointing="false"), lm, env)
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert gc.use_checkpointing(gc.Config(gradient_checkpointing="true"), lm, cpu)
+    assert not gc.use_checkpointing(gc.Config(), lm, cpu)  # auto: off on the CPU
+
+
+def test_micro_batch_packs_rows_and_cuts_columns():
+    completion_mask = gc.completion_mask_of(COMPLETIONS)
+    batch = gc.SimpleNamespace(prompt_ids=PROMPTS, completion_ids=COMPLETIONS, completion_mask=completion_mask,
                                loss_mask=completion_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
-                               old_logps=None, ref_logps=None)
-    mb = gc.micro_batch(batch, 1, 2, "cpu")  # rows 1-2: longest prompt 2, longest completion 3
-    assert mb.input_ids.tolist() == [[0, 5, 9, 10, 11], [6, 7, 12, 0, 0]]
-    assert mb.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
-    assert mb.advantages.tolist() == [1.0, 2.0]
+                               old_logps=torch.ones(3, 3), ref_logps=None)
+    mb = gc.micro_batch(batch, range(0, 1), "cpu")
+    assert [x.tolist() for x in mb.packed] == [[[5, 6, 7, 10, 11]], [[0, 1, 2, 3, 4]], [3, 4]]
+    assert mb.completion_mask.tolist() == [[1, 1]] and mb.old_logps.shape == (1, 2)  # T: its longest completion
+    mb = gc.micro_batch(batch, range(1, 3), "cpu")
+    assert mb.packed[1].tolist() == [[0, 1, 2, 3, 4, 0]] and mb.advantages.tolist() == [1.0, 2.0]
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -379,6 +441,8 @@ def test_parse_args_types_and_bools():
     (["--weight_push_bucket_mb", "0"], "--weight_push_bucket_mb"),
     (["--fsdp_cpu_offload"], "--fsdp_cpu_offload"),  # without --fsdp
     (["--ignore_eos", "--mask_truncated_completions"], "--mask_truncated_completions"),  # would mask everything
+    (["--max_tokens_per_microbatch", "500"], "--max_tokens_per_microbatch"),  # < 256 + 256: a sequence must fit
+    (["--gradient_checkpointing", "sometimes"], "--gradient_checkpointing"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -548,13 +612,14 @@ def test_non_finite_step_is_skipped():
     policy = gc.Policy(lm)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    input_ids, attention, completion_mask = gc.collate([[1, 2], [3]], [[4, 5], [6, 7]], pad_id=0)
+    prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7]]
+    completion_mask = gc.completion_mask_of(completions)
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                     loss_type="grpo", vllm_importance_sampling_correction=False)
     env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
 
     def batch(advantages):
-        return SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+        return SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
                                loss_mask=completion_mask.float(), advantages=torch.tensor(advantages),
                                vllm_logps=None, old_logps=None, ref_logps=None)
     before = [p.detach().clone() for p in policy.parameters()]
@@ -717,14 +782,15 @@ import grpo_colocate as gc
 from types import SimpleNamespace
 flags = ["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "4", "--per_device_train_batch_size",
          "4", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--weight_decay", "0.1",
-         "--max_grad_norm", "0.5", "--vllm_importance_sampling_correction", "false", "--weight_push_bucket_mb", "1"]
+         "--max_grad_norm", "0.5", "--vllm_importance_sampling_correction", "false", "--weight_push_bucket_mb", "1",
+         "--max_prompt_length", "8", "--max_completion_length", "8", "--max_tokens_per_microbatch", "20"]
 ddp_cfg, fsdp_cfg = gc.parse_args(flags), gc.parse_args(flags + ["--fsdp", "--gradient_checkpointing"])
 env = gc.setup_distributed(ddp_cfg)
 torch.manual_seed(env.rank)  # each rank its own batch: 8 completions of random lengths
 prompts = [torch.randint(1, 60, (int(torch.randint(2, 6, ()).item()),)).tolist() for _ in range(8)]
 completions = [torch.randint(1, 60, (int(torch.randint(1, 7, ()).item()),)).tolist() for _ in range(8)]
-input_ids, attention, completion_mask = gc.collate(prompts, completions, pad_id=0)
-batch = SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+completion_mask = gc.completion_mask_of(completions)
+batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
                         loss_mask=completion_mask.float(), advantages=torch.randn(8), vllm_logps=None,
                         old_logps=None, ref_logps=None)
 
@@ -784,6 +850,101 @@ def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tmp_path):
     assert r["resumed_weight_diff"] == 0.0  # the checkpoint holds the exact fp32 masters
     for key in ("loss", "grad_norm", "entropy"):
         assert close(r["step3_resumed"][0][key], r["step3_fsdp"][0][key], 1e-6), key
+
+
+PACKING = '''
+import json, sys, torch
+HERE, MODEL, OUT = sys.argv[1:4]
+sys.path.insert(0, HERE)
+import grpo_colocate as gc
+from types import SimpleNamespace
+base = ["--model", MODEL, "--output_dir", OUT, "--num_generations", "2", "--per_device_train_batch_size", "3",
+        "--gradient_accumulation_steps", "2", "--max_prompt_length", "8", "--max_completion_length", "40",
+        "--vllm_importance_sampling_correction", "false", "--max_grad_norm", "0"]
+env = gc.setup_distributed(gc.parse_args(base))
+g = torch.Generator().manual_seed(env.rank)
+
+def tokens(lo, hi):
+    return torch.randint(1, 60, (int(torch.randint(lo, hi, (), generator=g)),), generator=g).tolist()
+# very unequal lengths: rank 0 has two sequences of 48 tokens, every other sequence has 9-11; so a budget of 100
+# cuts rank 0 into micro-batches of 2 and 4 sequences, and rank 1 into one (which then has to become two)
+prompts = [tokens(8, 9) for _ in range(6)]
+completions = [tokens(40, 41) if env.rank == 0 and i < 2 else tokens(1, 4) for i in range(6)]
+mask = gc.completion_mask_of(completions)
+batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=mask, loss_mask=mask.float(),
+                        advantages=torch.randn(6, generator=g), vllm_logps=None, old_logps=None, ref_logps=None)
+
+
+class Recorder:  # in place of AdamW: keeps the step's full (all-reduced / gathered) gradients
+    def __init__(self, lm):
+        self.params = list(lm.parameters())
+
+    def step(self):
+        self.grads = [(p.grad.full_tensor() if isinstance(p.grad, gc.DTensor) else p.grad).clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def reference(loss_type):
+    """The definition: both ranks' sequences as ONE batch, each sequence run alone (unpadded, unpacked)."""
+    lm, everyone = gc.load_lm(MODEL, "cpu"), [None, None]
+    torch.distributed.all_gather_object(everyone, (prompts, completions, batch.advantages))
+    logps = [lm(torch.tensor([p + c])).logits[0, len(p) - 1:-1].log_softmax(-1)[torch.arange(len(c)), c]
+             for P, C, _ in everyone for p, c in zip(P, C)]
+    mask = gc.completion_mask_of([c for _, C, _ in everyone for c in C]).float()
+    logps = torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), torch.cat([a for *_, a in everyone]), mask, loss_type,
+                           max_completion_length=40)
+    loss.backward()
+    return [p.grad for p in lm.parameters()]
+
+
+result = {}
+for loss_type in ("grpo", "dr_grpo", "dapo"):
+    want = reference(loss_type)
+    for name, flags in (("ddp-100", ["--max_tokens_per_microbatch", "100"]), ("ddp-4096", []),
+                        ("fsdp-100", ["--max_tokens_per_microbatch", "100", "--fsdp"])):
+        cfg = gc.parse_args(base + ["--loss_type", loss_type] + flags)
+        policy = gc.wrap_policy(gc.load_lm(MODEL, "cpu"), env, cfg)
+        recorder = Recorder(gc.unwrap(policy).lm)
+        gc.train_step(policy, recorder, SimpleNamespace(step=lambda: None), batch, cfg, env, {})
+        counts = [None, None]
+        torch.distributed.all_gather_object(counts, len(gc.split_micro_batches(
+            [len(p) + len(c) for p, c in zip(prompts, completions)], cfg.max_tokens_per_microbatch)))
+        diff = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(recorder.grads, want))
+        result[f"{loss_type}/{name}"] = {"diff": diff, "counts": counts,
+                                         "ran": len(gc.plan_micro_batches(batch, cfg, env))}
+if env.rank == 0:
+    print("RESULT", json.dumps(result))
+torch.distributed.destroy_process_group()
+'''
+
+
+def test_packed_gradient_equals_the_whole_batch_gradient_on_two_ranks(tmp_path):
+    """grpo, dr_grpo and dapo: however the generation batch is cut into packed micro-batches (a budget of 100 tokens,
+    or one micro-batch per rank), under DDP and FSDP2, the gradient equals the gradient of the loss of both ranks'
+    sequences as one batch, each sequence run alone. Rank 0 has sequences 4x longer than rank 1's, so the budget
+    alone would give the ranks different micro-batch counts: they agree on one (else FSDP2 hangs)."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama().save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
+    script = tmp_path / "packing.py"
+    script.write_text(PACKING)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", str(script), HERE, model_dir, str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    r = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    for key, v in r.items():
+        assert v["diff"] < 1e-5, (key, v)
+        if key.endswith("-100"):
+            assert v["counts"][0] > v["counts"][1] and v["ran"] == v["counts"][0], (key, v)
+        else:
+            assert v["counts"] == [1, 1] and v["ran"] == 1, (key, v)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -922,7 +1083,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--weight_push_bucket_mb", "1", "--dataset", str(data),
         "--prompt_column", "question", "--answer_column", "solution", "--num_eval", "4",
         "--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
-        "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos",
+        "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos", "--max_tokens_per_microbatch", "90",
         "--max_steps", "2", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
         "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
         "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
@@ -1107,8 +1268,7 @@ result["group_differs"] = len({{tuple(c) for c in both[0]}}) > 1  # the n=G samp
 
 # one optimizer step on the trainer and NO push: the engine is stale
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
-ids = torch.tensor([probe])
-logps, _ = policy(ids, torch.ones_like(ids), torch.ones_like(ids[:, 1:]), 1.0)
+logps, _ = policy(*gc.pack([probe[:1]], [probe[1:]]), gc.completion_mask_of([probe[1:]]), 1.0)
 (-logps.mean()).backward()
 optimizer.step()
 try:

@@ -1,14 +1,15 @@
 """bench_trl.py: the TRL side of "grpo_colocate.py vs TRL 1.16.0 GRPOTrainer (vllm_mode='colocate')". Benchmark only:
 TRL and `datasets` are needed here, never by grpo_colocate.py.
 
-    torchrun --nproc_per_node N bench_trl.py train OUT_DIR <grpo_colocate flags> [--trl_gradient_checkpointing true]
-            [--trl_defaults]
+    torchrun --nproc_per_node N bench/bench_trl.py train OUT_DIR <grpo_colocate flags>
+            [--trl_gradient_checkpointing true] [--trl_defaults]
         GRPOTrainer on the same model, prompts (same order, same rank), batch and lengths; OUT_DIR/metrics.jsonl gets
         a line per optimizer step with grpo_colocate's metric names. Without --trl_defaults every setting is ours
-        (gradient checkpointing: our --gradient_checkpointing, off by default). With it, only the workload (model,
-        data, G, batch, lengths, lr, steps, seed, ignore_eos, engine memory/tp/sleep) is ours and the rest is
-        GRPOConfig's defaults (gradient checkpointing on, among others). --trl_gradient_checkpointing overrides both.
-    python bench_trl.py compare OURS_METRICS.jsonl TRL_METRICS.jsonl NAME [SKIP]
+        (gradient checkpointing: on iff our --gradient_checkpointing is true; auto counts as off). With it, only the
+        workload (model, data, G, batch, lengths, lr, steps, seed, ignore_eos, engine memory/tp/sleep) is ours and
+        the rest is GRPOConfig's defaults (gradient checkpointing on, among others). --trl_gradient_checkpointing
+        overrides both.
+    python bench/bench_trl.py compare OURS_METRICS.jsonl TRL_METRICS.jsonl NAME [SKIP]
         one markdown row of medians over the steps after SKIP (2) warm-up steps, and a `ROW {json}` line:
         | name | step s ours / TRL | tok/s/GPU ours / TRL | ours/TRL | ours: generate / reward / push+sleep+parity /
         logprobs / train+optimizer (s) | TRL: generate / reward / push+sleep / logprobs / train | GiB peak allocated /
@@ -29,7 +30,8 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-import grpo_colocate as gc  # sets vLLM's environment; vllm itself is imported later, by TRL
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate.py: the repo root
+import grpo_colocate as gc  # noqa: E402 - sets vLLM's environment; vllm itself is imported later, by TRL
 
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL's trainers send telemetry at init otherwise
 
@@ -188,7 +190,7 @@ def grpo_config(cfg, trl_defaults: bool, checkpointing: bool | None, out_dir: st
         return trl.GRPOConfig(**kwargs, gradient_checkpointing=checkpointing is not False)
     return trl.GRPOConfig(  # every setting ours, also: no dropout, no DDP unused-parameter search, sdpa
         **{**kwargs, "model_init_kwargs": {"dtype": "float32", "attn_implementation": "sdpa"}},
-        gradient_checkpointing=cfg.gradient_checkpointing if checkpointing is None else checkpointing,
+        gradient_checkpointing=(cfg.gradient_checkpointing == "true") if checkpointing is None else checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False},  # ours: per decoder layer, non-reentrant
         disable_dropout=True, ddp_find_unused_parameters=False,
         temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, warmup_steps=cfg.warmup_steps,
@@ -223,7 +225,7 @@ def train(out_dir: str, argv: list[str]):
     # and accelerate's BatchSamplerShard gives process r the r-th per_rank consecutive prompts of the chunk. So row
     # (g * world + r) * per_rank + i is rows_for_step(g, r)[i]: every rank gets ours, in our order (checked below).
     ordered = [row for g in range(math.ceil(cfg.max_steps / cfg.num_iterations)) for r in range(world)
-               for row in gc.rows_for_step(train_rows, g, r, world, per_rank, cfg.seed)]
+               for row in gc.rows_for_step(train_rows, g * world * per_rank, r, per_rank, cfg.seed)[1]]
     chat = tokenizer.chat_template is not None  # ours: the chat template with add_generation_prompt; TRL's the same
     records = [{**{k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")},
                 "prompt": [{"role": "user", "content": row["prompt"]}] if chat and isinstance(row["prompt"], str)
@@ -263,8 +265,8 @@ def train(out_dir: str, argv: list[str]):
 
     def checked_generate(prompts, *args, **kwargs):  # the token ids TRL made vs those ours generates from
         mine = [list(p) for p in prompts[::G]]
-        ours = [r["prompt_ids"] for r in gc.rows_for_step(train_rows, meter.generations, rank, world, per_rank,
-                                                          cfg.seed)]
+        position = meter.generations * world * per_rank
+        ours = [r["prompt_ids"] for r in gc.rows_for_step(train_rows, position, rank, per_rank, cfg.seed)[1]]
         meter.prompts, meter.generations = (prompt_hash(mine), mine == ours), meter.generations + 1
         gc.print0(f"generation {meter.generations - 1}: prompts {prompt_hash(mine)}, ours {prompt_hash(ours)}")
         return generate(prompts, *args, **kwargs)

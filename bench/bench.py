@@ -1,14 +1,14 @@
 """bench.py: the measurements behind BENCHMARKS.md. Not needed to train; `bash run.sh bench ...` drives it.
 
-    torchrun --nproc_per_node N bench.py standalone OUT.json <grpo_colocate flags>
+    torchrun --nproc_per_node N bench/bench.py standalone OUT.json <grpo_colocate flags>
         vLLM alone (no trainer, no sleep) on exactly the requests the trainer's first steps generate
-    torchrun --nproc_per_node 1 bench.py sleep OUT.json <grpo_colocate flags>
+    torchrun --nproc_per_node 1 bench/bench.py sleep OUT.json <grpo_colocate flags>
         sleep(1) / sleep(2): GPU memory freed and the time to sleep and wake; then one real GRPO step and a
         level-2 wake WITHOUT the weight push, which the parity check must reject
-    python bench.py make-model SHAPE DIR TOKENIZER_DIR      random-init model of a real shape (qwen2.5-1.5b, ...)
-    python bench.py pad-heads SRC TP                        SmolLM2 with zero-padded heads, so tp=2/4 can split it
-    python bench.py summarize NAME METRICS.jsonl STANDALONE.json [SKIP]   one BENCHMARKS.md row (median of steps)
-    python bench.py plot OUT.png LABEL=METRICS.jsonl [...]   reward and held-out accuracy curves (matplotlib)
+    python bench/bench.py make-model SHAPE DIR TOKENIZER_DIR      random-init model of a real shape (qwen2.5-1.5b, ...)
+    python bench/bench.py pad-heads SRC TP                        SmolLM2 with zero-padded heads, so tp=2/4 can split it
+    python bench/bench.py summarize NAME METRICS.jsonl STANDALONE.json [SKIP]   one BENCHMARKS.md row (median of steps)
+    python bench/bench.py plot OUT.png LABEL=METRICS.jsonl [...]   reward and held-out accuracy curves (matplotlib)
 """
 
 import json
@@ -21,7 +21,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import grpo_colocate as gc
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # grpo_colocate.py: the repo root
+import grpo_colocate as gc  # noqa: E402
 
 SHAPES = {  # public configs of real models; the weights are random (mechanics and speed only)
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -89,12 +90,12 @@ def standalone(out, argv, iterations=6):
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     results = []
     for gen_index in range(iterations):
-        mine = gc.rows_for_step(rows, gen_index, env.rank, env.world, per_rank, cfg.seed)
-        torch.manual_seed(gc.derive_seed(cfg.seed, "rollout", gen_index, env.engine_index))
+        positions, mine = gc.rows_for_step(rows, gen_index * env.world * per_rank, env.rank, per_rank, cfg.seed)
+        seeds = [gc.derive_seed(cfg.seed, "rollout") + cfg.num_generations * i for i in positions]  # as rollout's
         params = gc.sampling_params(cfg, logprobs=cfg.vllm_importance_sampling_correction)
         dist.barrier()
         start = time.perf_counter()
-        outputs = gc.generate(llm, env, [r["prompt_ids"] for r in mine], params)
+        outputs = gc.generate(llm, env, [r["prompt_ids"] for r in mine], params, seeds)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
@@ -145,7 +146,7 @@ def sleep_bench(out, argv):
               f"{t_weights:.3f}s + kv {t_kv:.3f}s", flush=True)
 
     # one real GRPO step, exactly as the trainer does it
-    lm = gc.load_lm(cfg.model, env.device)
+    lm = gc.load_lm(cfg.model, env.device, env.attention)
     policy = gc.wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
@@ -156,8 +157,8 @@ def sleep_bench(out, argv):
     bucket = cfg.weight_push_bucket_mb
     report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, bucket)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
-    batch = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 0, 0, 1, per_rank, cfg.seed), funcs,
-                       weights, 0, ledger)
+    batch = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, 0, 0, per_rank, cfg.seed)[::-1], funcs,
+                       weights, ledger)
     llm.sleep(level=2)
     gc.train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
     torch.cuda.empty_cache()
