@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# bench/gpu_session.sh PART: the GPU runs behind BENCHMARKS.md, one PART per device call (each < 10 minutes).
+# The machine is staged as ../shared/device/README.md says (vllm 0.26.0 in /tmp/site, SmolLM2 in /tmp/models); the
+# six wheels TRL needs beyond the image are carried in .stage/trl. Every run's metrics.jsonl and log are copied to
+# $OUT (the device tool brings it back), named after the run.
+#   install   TRL's wheels into /tmp/site
+#   checks    packed attention vs each sequence alone; lm_head logprob variants; resume reproduces the rollouts
+#   fixed     ours (defaults) vs TRL (its defaults), fixed 256-token completions: SmolLM2-135M and the 1.5B shape
+#   varlen    the same on completions of natural, widely spread lengths (SmolLM2, "write N sentences about X")
+#   learn [SEED]  60-step learning runs (seeds 42 and 7, or SEED), ours vs TRL (BENCHMARKS.md section 4's settings)
+#   lora      the 1.5B shape: LoRA vs full fine-tuning, memory and step time
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
+  MODEL_DIR=/tmp/models/SmolLM2-135M-Instruct NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+  NVSHMEM_DISABLE_NVLS=1 NPROC=${NPROC:-1}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+SMOL=$MODEL_DIR
+keep() {  # keep DIR NAME: a run's metrics and log, flat in $OUT
+  for f in metrics.jsonl train.log trl/metrics.jsonl trl.log; do
+    [ -f "$1/$f" ] && cp "$1/$f" "$OUT/$2-$(echo "$f" | tr / -)"
+  done
+}
+latest() { ls -td outputs/bench/"$1"* | head -1; }
+versions() { python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
+'transformers', transformers.__version__)" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; }
+
+case ${1:?part} in
+install)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl && python3 -c "import trl; print('trl', trl.__version__)"
+  versions ;;
+checks)
+  python3 bench/packed_check.py 2>&1 | tee "$OUT/packed_check.txt" | tail -20
+  python3 bench/logprobs_bench.py 2>&1 | tee "$OUT/logprobs_bench.txt" | tail -20
+  # resume reproduces the rollouts (issue 12): 4 steps saving at 2, then a resume from checkpoint-2 to 4
+  R=(--max_steps 4 --eval_steps 0 --max_completion_length 128)
+  bash run.sh "${R[@]}" --save_steps 2 --output_dir outputs/resume-full > "$OUT/resume-full.log" 2>&1
+  bash run.sh "${R[@]}" --save_steps -1 --output_dir outputs/resume-half \
+    --resume_from_checkpoint outputs/resume-full/checkpoint-2 > "$OUT/resume-half.log" 2>&1
+  cp outputs/resume-full/metrics.jsonl "$OUT/resume-full.jsonl"; cp outputs/resume-half/metrics.jsonl "$OUT/resume-half.jsonl"
+  python3 - <<'EOF'
+import json
+def steps(d): return {r["step"]: r for r in map(json.loads, open(f"outputs/{d}/metrics.jsonl")) if "reward" in r}
+a, b = steps("resume-full"), steps("resume-half")
+for s in (3, 4):
+    for k in ("reward", "completion_length/mean", "completion_length/max", "loss", "grad_norm", "logprob_gap"):
+        print(s, k, a[s][k], b[s][k], "same" if a[s][k] == b[s][k] else "DIFFERENT")
+EOF
+  ;;
+fixed)
+  TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m; keep "$(latest smollm2-135m)" fixed-smol
+  TRL_FLAGS=--trl_defaults bash run.sh compare qwen2.5-1.5b-shape; keep "$(latest qwen2.5-1.5b)" fixed-1.5b ;;
+varlen)
+  python3 - <<'EOF'
+import json, random
+topics = ["the sea", "a city at night", "bread", "trains", "the moon", "winter", "a library", "bees", "rain", "chess",
+          "a market", "volcanoes", "music", "the desert", "a bicycle", "clocks"]
+rng = random.Random(0)
+with open("/tmp/varlen.jsonl", "w") as f:
+    for i in range(4000):
+        n = rng.choice([1, 1, 2, 3, 4, 6, 8, 12, 16])
+        f.write(json.dumps({"prompt": f"Write {n} sentence{'s' * (n > 1)} about {rng.choice(topics)}.", "answer": ""}) + "\n")
+EOF
+  V=(--dataset /tmp/varlen.jsonl --reward_funcs reward_len --num_eval 8 --ignore_eos false --temperature 1.0)
+  for model in smollm2-135m qwen2.5-1.5b-shape; do
+    TRL_FLAGS=--trl_defaults bash run.sh compare $model "${V[@]}"; keep "$(latest ${model%-shape})" varlen-$model
+  done ;;
+learn)
+  L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+     --max_completion_length 128 --lr_scheduler_type constant --max_steps 60 --eval_steps 0 --save_steps -1
+     --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0)
+  for seed in ${2:-42 7}; do
+    python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" --seed $seed \
+      --output_dir outputs/learn/ours-s$seed > "$OUT/learn-ours-s$seed.log" 2>&1
+    python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train outputs/learn/trl-s$seed \
+      "${L[@]}" --seed $seed > "$OUT/learn-trl-s$seed.log" 2>&1
+    cp outputs/learn/ours-s$seed/metrics.jsonl "$OUT/learn_ours-s$seed.jsonl"
+    cp outputs/learn/trl-s$seed/metrics.jsonl "$OUT/learn_trl-s$seed.jsonl"
+  done ;;
+lora)
+  STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape --max_steps 6; keep "$(latest qwen2.5-1.5b)" full-1.5b
+  STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape --max_steps 6 --use_peft --learning_rate 1e-5
+  keep "$(latest qwen2.5-1.5b)" lora-1.5b ;;
+esac
