@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # grpo-colocate: set up on a fresh machine, then run.
 #   bash run.sh [flags for grpo_colocate.py]   a short GRPO run on the embedded SmolLM2-135M-Instruct (CPU or GPUs)
-#   bash run.sh test [pytest args]             the test suite (CPU; .ci/run calls this, then with --slow -m slow)
+#   bash run.sh test [--slow] [pytest args]    the test suite (CPU; .ci/run calls this, then with --slow)
 #   bash run.sh bench MODEL [flags]            one BENCHMARKS.md row on this machine's GPUs (MODEL: smollm2-135m,
 #                                              qwen2.5-{1.5b,7b,14b,32b}-shape: random weights for the shapes)
 #   bash run.sh compare MODEL [flags]          the same workload through grpo_colocate.py, then TRL 1.16 (GPU)
@@ -88,8 +88,9 @@ prepare_model
 
 TORCHRUN=("$PY" -m torch.distributed.run --standalone)
 
-if [ "${1:-}" = test ]; then
+if [ "${1:-}" = test ]; then  # --slow: the slow tests alone (world size 8 on the CPU, ~5 min)
   shift
+  [ "${1:-}" = --slow ] && { shift; export GRPO_SLOW_TESTS=1; set -- -k world8 "$@"; }
   exec "$PY" -m pytest -x -q test_grpo_colocate.py "$@"
 fi
 

@@ -1271,10 +1271,11 @@ def world8(tmp_path_factory):
     return w
 
 
+SLOW = pytest.mark.skipif(os.environ.get("GRPO_SLOW_TESTS") != "1", reason="slow: `bash run.sh test --slow`")
 WORLD8_FLAGS = {1: [], 2: ["--fsdp", "--scale_rewards", "batch"], 4: ["--loss_type", "grpo"]}
 
 
-@pytest.mark.slow
+@SLOW
 @pytest.mark.parametrize("tp", [1, 2, 4])  # 8, 4 and 2 engines; DDP, FSDP2 (+ the batch std), DDP
 def test_world8_cpu(world8, tp):
     run = world8.run(tp, WORLD8_FLAGS[tp])
@@ -1319,7 +1320,7 @@ def test_world8_cpu(world8, tp):
         assert close(record["eval/reward"], sum(v for _, v in scored) / 3, 1e-6)
 
 
-@pytest.mark.slow
+@SLOW
 def test_world8_checkpoint_resumes_on_2_ranks(world8):
     """The tp=2 run's checkpoint (FSDP2 over 8 ranks: 8 AdamW shards through torch.distributed.checkpoint, weights
     gathered to rank 0) continues for one step on 2 ranks under DDP."""
