@@ -840,11 +840,10 @@ def sleep_needed(trainer_bytes: int, engine_bytes: int, total_bytes: int, margin
 
 
 def decide_sleep(env) -> bool:
-    """auto, once, after the first train step, engine asleep: the caching allocator still holds the trainer's peak, so
-    the device's used memory is that peak. A margin of 10% covers longer completions later. Sleep if any rank must."""
+    """auto, after step 1 (engine asleep: the trainer's cached blocks still hold its peak). Sleep if any rank must."""
     free, total = torch.cuda.mem_get_info(env.device)
     verdict = torch.tensor([sleep_needed(total - free, env.engine_bytes, total, total // 10), total - free],
-                           dtype=torch.float64, device=env.device)
+                           dtype=torch.float64, device=env.device)  # margin 10%: later completions may be longer
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
     print0(f"sleep mode auto: {'on' if verdict[0] else 'off'} (the trainer's step-1 peak {verdict[1] / 2**30:.1f} GiB +"
            f" the engine's {env.engine_bytes / 2**30:.1f} + 10% {'>' if verdict[0] else '<='} {total / 2**30:.1f} GiB)")
