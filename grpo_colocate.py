@@ -1,8 +1,8 @@
 """grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process. One file, plain PyTorch.
 
 Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server, no HTTP, no
-GPU set aside for inference. The engine sleeps while the trainer works and wakes up to generate; after every
-optimizer step the new weights are copied into it in-process.
+GPU set aside for inference. Where the GPU cannot hold both, the engine sleeps while the trainer works; after
+every optimizer step the new weights are copied into it in-process.
 
 Launch (`bash run.sh` sets everything up and runs a short job on the embedded SmolLM2-135M-Instruct):
     python grpo_colocate.py                                        # one process: 1 GPU, or the CPU
@@ -18,8 +18,8 @@ One step (one optimizer update; see "the step" near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over packed token-budget micro-batches, DDP all-reduce (or FSDP2), AdamW
-    push       wake the engine's weights, copy the trained weights in, wake its KV cache, check parity
+    train      clipped surrogate over packed token-budget micro-batches, DDP all-reduce (or FSDP2), canary, AdamW
+    push       wake the engine's weights (if asleep), copy the trained weights in, wake its KV cache
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
 Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the scheduler and the data position (the
@@ -159,8 +159,8 @@ class Config:
     # the colocated engine
     vllm_gpu_memory_utilization: float = arg(0.3, "fraction of the GPU the engine takes (weights + KV cache)")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per engine; consecutive ranks form a TP group")
-    vllm_enable_sleep_mode: str = arg("auto", "free the engine's GPU memory while training: auto (on where the "
-                                      "platform has it: CUDA) | true | false")
+    vllm_enable_sleep_mode: str = arg("auto", "free the engine's GPU memory while training: true | false | auto "
+                                      "(CUDA: sleep in step 1, then only if trainer + engine do not fit at once)")
     vllm_sleep_level: int = arg(2, "1: weights offloaded to CPU RAM; 2: weights discarded (re-pushed each step)")
     dtype: str = arg("auto", "engine weights and trainer autocast: bfloat16 | float32 | auto (bfloat16 on GPU, "
                      "float32 on CPU); master weights and optimizer state are always float32")
@@ -879,12 +879,12 @@ def parity_tolerance(dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 0.5
 
 
-def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb) -> dict:
-    """Make the engine generate with the trainer's current weights:
-    wake the weights -> push -> wake the KV cache -> check parity. Never lets vLLM reload the disk checkpoint:
-    after a level-2 sleep its weights are garbage until this push."""
+def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb, asleep=False) -> dict:
+    """Make the engine generate with the trainer's current weights: wake the weights (if asleep) -> push -> wake
+    the KV cache -> check parity on the probe (probe_ids None: skipped, train_step's canary checks instead). Never
+    lets vLLM reload the disk checkpoint: after a level-2 sleep its weights are garbage until this push."""
     with timed(ledger, "sleep", env):
-        if env.sleep:
+        if asleep:
             free, _ = torch.cuda.mem_get_info(env.device)
             if free < env.engine_bytes:  # hand the trainer's cached blocks back only when vLLM needs the room
                 torch.cuda.empty_cache()  # (emptying it every step cost ~0.1 s at 1.5B, and the trainer re-allocates)
@@ -897,21 +897,41 @@ def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb) -> dict:
         pushed = push_weights(llm, unwrap(policy).lm, env, bucket_mb)
     extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
     with timed(ledger, "sleep", env):
-        if env.sleep:
+        if asleep:
             llm.wake_up(tags=["kv_cache"])
-    with timed(ledger, "parity", env):
-        gap = check_parity(llm, policy, probe_ids, env, step)
-    return {"parity_gap": gap, "push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
+    info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
+    if probe_ids is not None:
+        with timed(ledger, "parity", env):
+            info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
+    return info
 
 
-def check_parity(llm, policy, probe_ids, env, step) -> float:
-    """Fail loudly, naming the step, when the engine does not run the trainer's weights."""
-    gap, tolerance = parity_gap(llm, unwrap(policy), probe_ids, env), parity_tolerance(env.dtype)
-    if not gap <= tolerance:  # (a NaN gap fails too)
-        raise RuntimeError(f"step {step}: after the weight push vLLM and the trainer disagree on the probe "
-                           f"sequence: mean |logp gap| {gap:.4g} > {tolerance} ({env.dtype}). The engine is not "
-                           "running the trained weights (a failed or stale push, or a name mismatch).")
+def check_gap(gap: float, env, step, what: str) -> float:
+    """Fail loudly, naming the step, when the engine does not run the trainer's weights: `gap`, the mean
+    |logp_trainer - logp_vllm| over `what`, maxed over ranks (all stop alike), against the dtype's tolerance."""
+    gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)  # (a NaN gap fails too)
+    dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+    gap, tolerance = gap.item(), parity_tolerance(env.dtype)
+    if gap > tolerance:
+        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| {gap:.4g} > "
+                           f"{tolerance} ({env.dtype}). The engine is not running the trained weights (a failed or "
+                           "stale push, or a name mismatch).")
     return gap
+
+
+def sleep_needed(trainer_bytes: int, engine_bytes: int, total_bytes: int, margin_bytes: int) -> bool:
+    return trainer_bytes + engine_bytes + margin_bytes > total_bytes  # auto: sleep unless all of it fits at once
+
+
+def decide_sleep(env) -> bool:
+    """auto, after step 1 (engine asleep: the trainer's cached blocks still hold its peak). Sleep if any rank must."""
+    free, total = torch.cuda.mem_get_info(env.device)
+    verdict = torch.tensor([sleep_needed(total - free, env.engine_bytes, total, total // 10), total - free],
+                           dtype=torch.float64, device=env.device)  # margin 10%: later completions may be longer
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+    print0(f"sleep mode auto: {'on' if verdict[0] else 'off'} (the trainer's step-1 peak {verdict[1] / 2**30:.1f} GiB +"
+           f" the engine's {env.engine_bytes / 2**30:.1f} + 10% {'>' if verdict[0] else '<='} {total / 2**30:.1f} GiB)")
+    return bool(verdict[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1202,7 +1222,7 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
     return norm
 
 
-def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
+def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_step=None) -> dict:
     plan = plan_micro_batches(batch, cfg, env)
     # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
     # GLOBAL count (sequences; tokens for dapo). DDP and FSDP2 average gradients over ranks (/ world): x world undoes
@@ -1250,6 +1270,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger) -> dict:
                 add("is_masked", ((w == 0).float() * m).sum(), 1.0)
             add("tokens", tokens, 1.0)
             add("completion_tokens", mb.completion_mask.sum(), 1.0)
+    if canary_step is not None:  # the canary (see train()), before the update: a stale engine's rollout never trains
+        gap = sums["logprob_gap"] / sums["completion_tokens"]  # NaN: the trainer's own non-finite step, skipped below
+        sums["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
         grad_norm = clip_grad_norm([p for p in policy.parameters() if p.grad is not None], cfg.max_grad_norm, env)
         # a NaN/inf loss makes the gradient non-finite; the norm is global, so every rank decides alike
@@ -1362,7 +1385,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
-        **{k: v for k, v in train_sums.items() if k not in ("grad_norm", "skipped")},
+        **{k: v for k, v in train_sums.items() if k not in ("grad_norm", "skipped", "canary_gap")},
     }
     keys = list(local)
     totals = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=env.device)
@@ -1385,7 +1408,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     if "logprob_gap" in t:
         m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
                   "is_weight/masked": t["is_masked"] / ctoks})
-    m.update(sync_info)
+    m.update({**sync_info, **{k: train_sums[k] for k in ["canary_gap"] if k in train_sums}})  # a max over ranks
     step_time = sum(ledger.values())
     m.update({f"time/{k}": v for k, v in ledger.items()})
     m["time/step"] = step_time
@@ -1446,7 +1469,11 @@ def train(cfg: Config, env, model_config, data):
     G = cfg.num_generations
     prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
     llm = make_engine(cfg, env, model_config)
-    engine = SimpleNamespace(asleep=False, stale=True, info={})  # stale: forces the first push and parity check
+    engine = SimpleNamespace(asleep=False, stale=True, info={},  # stale: forces the first push and parity check
+                             auto_sleep=env.sleep and cfg.vllm_enable_sleep_mode == "auto")  # decided after step 1
+    # the canary: where vLLM's logprobs are of the distribution the trainer scores (IS correction on, no top-p/top-k),
+    # train_step checks the sampled tokens' gap for free (healthy bf16: 0.006-0.037), else the probe after every push
+    gap_canary = cfg.vllm_importance_sampling_correction and cfg.top_p == 1 and cfg.top_k == 0
 
     def rest_engine(ledger):
         """Free the engine's GPU memory for the trainer (sleep mode; a no-op on CPU)."""
@@ -1456,9 +1483,10 @@ def train(cfg: Config, env, model_config, data):
         engine.asleep = env.sleep
 
     def ready_engine(step, ledger):
-        """Before the engine generates: awake, and holding the trainer's weights (wake, push, parity check)."""
+        """Before the engine generates: awake, and holding the trainer's weights (wake, push, canary)."""
         if engine.asleep or engine.stale:
-            engine.info = sync_engine(llm, policy, env, probe_ids, ledger, step, cfg.weight_push_bucket_mb)
+            probe = None if gap_canary and engine.info else probe_ids  # the first push: it proves the name mapping
+            engine.info = sync_engine(llm, policy, env, probe, ledger, step, cfg.weight_push_bucket_mb, engine.asleep)
             engine.asleep = engine.stale = False
 
     ledger = {}
@@ -1490,8 +1518,8 @@ def train(cfg: Config, env, model_config, data):
            f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
            f"{min(prompts_per_rank * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
-           f", push via {env.push} | {len(train_rows)} train / {len(eval_rows)} eval prompts | "
-           f"steps {start_step} -> {cfg.max_steps}")
+           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if gap_canary else 'probe'}"
+           f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
 
@@ -1537,8 +1565,10 @@ def train(cfg: Config, env, model_config, data):
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
+        train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, step if gap_canary else None)
         sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
+        if engine.auto_sleep:  # the trainer's peak is known now: does sleeping pay on this GPU?
+            env.sleep, engine.auto_sleep = decide_sleep(env), False
         if train_sums["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
             skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
             print0(f"step {step}: non-finite loss or gradient (grad norm {train_sums['grad_norm']}), skipped")

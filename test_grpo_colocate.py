@@ -436,6 +436,7 @@ def test_parse_args_types_and_bools():
     (["--max_steps", "0"], "--max_steps"),
     (["--vllm_gpu_memory_utilization", "1.5"], "--vllm_gpu_memory_utilization"),
     (["--vllm_sleep_level", "3"], "--vllm_sleep_level"),
+    (["--vllm_enable_sleep_mode", "maybe"], "--vllm_enable_sleep_mode"),
     (["--vllm_importance_sampling_mode", "seq"], "--vllm_importance_sampling_mode"),
     (["--dtype", "float16"], "--dtype"),
     (["--lr_scheduler_type", "step"], "--lr_scheduler_type"),
@@ -465,6 +466,47 @@ def test_bad_tp_for_world(monkeypatch):
 def test_gpu_only_flags_refused_on_cpu(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.parse_args(argv)
+
+
+def test_sleep_mode_values():
+    for value in ("auto", "false"):  # both mean no sleep on a CPU: accepted
+        assert gc.parse_args(["--vllm_enable_sleep_mode", value]).vllm_enable_sleep_mode == value
+
+
+def test_sleep_needed_decision():
+    GiB = 1 << 30  # an 80 GiB GPU, the engine's share 0.3 x 80 + 2 = 26 GiB, a margin of 8 GiB
+    assert not gc.sleep_needed(40 * GiB, 26 * GiB, 80 * GiB, 8 * GiB)  # 74 GiB fit: no sleep
+    assert not gc.sleep_needed(46 * GiB, 26 * GiB, 80 * GiB, 8 * GiB)  # exactly 80 GiB still fits
+    assert gc.sleep_needed(46 * GiB + 1, 26 * GiB, 80 * GiB, 8 * GiB)  # one byte more: sleep
+    assert gc.sleep_needed(60 * GiB, 26 * GiB, 80 * GiB, 0)  # 86 GiB without any margin: sleep
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo process group of one process, for code that all-reduces."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_decide_sleep_measures_once_and_says_why(world_of_one, monkeypatch, capsys):
+    GiB = 1 << 30  # an 80 GiB GPU and an engine share of 26 GiB: the margin is 8 GiB, so up to 46 GiB in use fit
+    env = SimpleNamespace(device=torch.device("cpu"), engine_bytes=26 * GiB)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GiB, 80 * GiB))  # 40 GiB in use
+    assert gc.decide_sleep(env) is False
+    assert "sleep mode auto: off (the trainer's step-1 peak 40.0 GiB + the engine's 26.0 + 10% <= 80.0 GiB)" in \
+        capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GiB, 80 * GiB))  # 50 GiB in use
+    assert gc.decide_sleep(env) is True
+    assert "sleep mode auto: on (the trainer's step-1 peak 50.0 GiB" in capsys.readouterr().out
+
+
+def test_gap_check_names_the_step(world_of_one):
+    fp32, bf16 = (SimpleNamespace(device=torch.device("cpu"), dtype=d) for d in (torch.float32, torch.bfloat16))
+    assert gc.check_gap(5e-5, fp32, 3, "the probe") == 5e-5 and gc.check_gap(0.013, bf16, 3, "the probe") == 0.013
+    for gap, env in ((2e-4, fp32), (math.nan, fp32), (7.0, bf16)):  # above 1e-4 (fp32), NaN, above 0.5 (bf16)
+        with pytest.raises(RuntimeError, match="step 3: vLLM and the trainer disagree on the probe: mean"):
+            gc.check_gap(gap, env, 3, "the probe")
 
 
 def test_dataset_file_missing(tmp_path):
@@ -680,6 +722,35 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
         dist.destroy_process_group()
     # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
     assert events == ["push", "train, engine asleep", "push", "train, engine asleep", "push"]
+
+
+def test_canary_before_the_update(world_of_one):
+    """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
+    A gap beyond the tolerance stops the step with no update; a NaN gap (a non-finite step) is left to the skip."""
+    policy = gc.Policy(tiny_llama())
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7]]
+    completion_mask = gc.completion_mask_of(completions)
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    with torch.no_grad():  # what an engine holding the trainer's weights returns
+        exact, _ = policy(*gc.pack(prompts, completions), completion_mask, 1.0)
+
+    def step(vllm_logps):
+        batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
+                                loss_mask=completion_mask.float(), advantages=torch.tensor([-1.0, 1.0]),
+                                vllm_logps=vllm_logps, old_logps=None, ref_logps=None)
+        return gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {}, canary_step=4)
+    before = [p.detach().clone() for p in policy.parameters()]
+    with pytest.raises(RuntimeError, match="step 4: vLLM and the trainer disagree on the tokens vLLM sampled"):
+        step(exact - 0.01)  # a stale engine: 0.01 nats per token > fp32's 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # stopped before the update
+    optimizer.zero_grad(set_to_none=True)
+    sums = step(torch.full_like(exact, math.nan))  # NaN logprobs: the non-finite step is skipped, not blamed
+    assert sums["canary_gap"] == 0.0 and sums["skipped"] == 1.0
+    sums = step(exact)
+    assert sums["canary_gap"] < 1e-6 and sums["skipped"] == 0.0
 
 
 def _save_twice_and_die(out, port):
@@ -960,7 +1031,7 @@ REQUIRED_KEYS = [
     "step", "lr", "reward", "reward_std", "rewards/accuracy_reward", "rewards/format_reward", "advantage_std",
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
-    "grad_norm", "logprob_gap", "is_weight/mean", "parity_gap", "time/generate", "time/reward", "time/logprobs",
+    "grad_norm", "logprob_gap", "is_weight/mean", "canary_gap", "time/generate", "time/reward", "time/logprobs",
     "time/train", "time/optimizer", "time/push", "time/sleep", "time/other", "time/step", "tokens_per_sec_per_gpu",
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
@@ -1015,13 +1086,14 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
     assert "step 2/2 | reward" in proc.stdout  # the stdout line
 
 
-def test_e2e_parity_checked_after_every_push(two_rank_run):
+def test_e2e_engine_checked_every_step(two_rank_run):
     out, proc = two_rank_run
+    assert "canary sampled" in proc.stdout and "first push and parity check took" in proc.stdout
     for r in read_metrics(out):
         if "reward" in r:
-            assert 0 <= r["parity_gap"] < 1e-4  # fp32 on the CPU: trainer and engine agree to ~1e-5
+            assert "parity_gap" not in r and "time/parity" not in r  # the probe ran after the first push only...
+            assert 0 <= r["logprob_gap"] <= r["canary_gap"] < 1e-4  # ...the sampled tokens' gap every step (fp32)
             assert r["time/push"] > 0 and r["push_gb"] > 0.5  # 134.5M fp32 params
-            assert r["logprob_gap"] < 1e-3  # the sampled tokens too
 
 
 def test_e2e_policy_changed_and_checkpoint_loads_in_transformers(two_rank_run):
@@ -1094,14 +1166,15 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
-    assert "trainer FSDP2 + activation checkpointing" in proc.stdout
+    assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "canary probe" in proc.stdout  # top-p/k
     assert "INFO " in proc.stdout and "Failed to load weights" in proc.stdout  # --verbose: vLLM's logs are back
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
-    assert r["parity_gap"] < 1e-4 and "rewards/reward_len" in r and "rewards/format_reward" in r
+    assert r["parity_gap"] < 1e-4 and "canary_gap" not in r  # top-p/top-k: the probe checks every push
+    assert "rewards/reward_len" in r and "rewards/format_reward" in r
     assert r["logprob_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
@@ -1403,6 +1476,7 @@ llm = gc.make_engine(cfg, env, gc.load_model_config(cfg))
 policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
 probe = eval_rows[0]["prompt_ids"] + tokenizer("#### 1", add_special_tokens=False)["input_ids"]
 result = {{"fresh": gc.sync_engine(llm, policy, env, probe, {{}}, 0, 1)["parity_gap"]}}
+funcs, weights = gc.load_reward_funcs(cfg)
 
 def sample(seeds, prompts, torch_seed=0):  # per-request seeds, as rollout passes them
     torch.manual_seed(torch_seed)  # the process's generator must not matter: the GPU sampler ignores it
@@ -1414,23 +1488,38 @@ result["alone_as_in_a_batch"] = both[1] == sample([200], [1])[0]  # another batc
 result["other_seed_other_rollout"] = both[0] != sample([1000], [0])[0]
 result["group_differs"] = len({{tuple(c) for c in both[0]}}) > 1  # the n=G samples of one request: seeds s, s+1, ...
 
+def canary(step):  # a real rollout, then train_step: its canary runs before the optimizer step
+    batch = gc.rollout(llm, cfg, env, tokenizer, rows[:1], [step], funcs, weights, {{}})
+    before = [p.detach().clone() for p in policy.parameters()]
+    try:
+        gap = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {{}}, canary_step=step)["canary_gap"]
+    except RuntimeError as e:
+        gap = str(e)
+        optimizer.zero_grad(set_to_none=True)
+    return gap, all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
 # one optimizer step on the trainer and NO push: the engine is stale
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 logps, _ = policy(*gc.pack([probe[:1]], [probe[1:]]), gc.completion_mask_of([probe[1:]]), 1.0)
 (-logps.mean()).backward()
 optimizer.step()
+optimizer.zero_grad(set_to_none=True)
+probe_check = lambda step: gc.check_gap(gc.parity_gap(llm, policy, probe, env), env, step, "the probe")
 try:
-    gc.check_parity(llm, policy, probe, env, step=7)
+    probe_check(7)
     result["stale_caught"] = False
 except RuntimeError as e:
     result["stale_caught"] = "step 7" in str(e)
+result["stale_canary"] = canary(8)  # the canary of every step (IS correction on): it must stop step 8, unchanged
 gc.push_weights(llm, gc.unwrap(policy).lm, env, 1)  # 1 MB buckets: most buckets hold a tensor or two
-result["after_push"] = gc.check_parity(llm, policy, probe, env, step=7)
+result["after_push"] = probe_check(7)
 lm = gc.unwrap(policy).lm  # the tensors the CPU backend keeps unpacked, compared exactly
 engine = llm.apply_model(lambda m: [m.model.embed_tokens.weight.clone(), m.model.norm.weight.clone(),
                                     m.model.layers[0].input_layernorm.weight.clone()])[0]
 result["weights_equal"] = all(torch.equal(a, b.detach()) for a, b in zip(engine, [
     lm.model.embed_tokens.weight, lm.model.norm.weight, lm.model.layers[0].input_layernorm.weight]))
+result["fresh_canary"] = canary(9)  # after the push: the canary passes and the step updates the policy
 print("RESULT", json.dumps(result))
 del llm
 torch.distributed.destroy_process_group()
@@ -1448,3 +1537,8 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
     assert result["stale_caught"] and result["weights_equal"]
     assert result["same_seed_same_rollout"] and result["alone_as_in_a_batch"]
     assert result["other_seed_other_rollout"] and result["group_differs"]
+    message, unchanged = result["stale_canary"]
+    assert "step 8: vLLM and the trainer disagree on the tokens vLLM sampled" in message, message
+    assert unchanged  # stopped before the optimizer step
+    gap, unchanged = result["fresh_canary"]
+    assert gap < 1e-4 and not unchanged

@@ -118,7 +118,7 @@ def standalone(out, argv, iterations=6):
 
 def sleep_bench(out, argv):
     """Sleep levels measured, then the trained-weights proof: one real GRPO step, a level-2 sleep and a wake
-    with the push skipped (the parity check must fail), then the push (it must pass)."""
+    with the push skipped (the parity check and the sampled-token canary must fail), then the push (it must pass)."""
     cfg, env, tokenizer, rows, model_config = setup([*argv, "--vllm_enable_sleep_mode", "true"])
     llm = gc.make_engine(cfg, env, model_config)
 
@@ -155,7 +155,8 @@ def sleep_bench(out, argv):
     ledger = {}
     llm.sleep(level=2)  # as the trainer does: the engine sleeps while the policy loads, then gets it pushed
     bucket = cfg.weight_push_bucket_mb
-    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, bucket)["parity_gap"]
+    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, bucket,
+                                                          asleep=True)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     batch = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, 0, 0, per_rank, cfg.seed)[::-1], funcs,
                        weights, ledger)
@@ -168,8 +169,17 @@ def sleep_bench(out, argv):
     gap = gc.parity_gap(llm, policy, probe, env)
     report["parity_gap_level2_wake_without_push"] = gap
     report["skipped_push_caught"] = not gap <= gc.parity_tolerance(env.dtype)
+    try:  # the canary of every step: a rollout from the stale engine, scored by train_step before its update
+        stale = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 1, 0, 1, per_rank, cfg.seed), funcs,
+                           weights, 1, ledger)
+        report["sampled_gap_stale_missed"] = gc.train_step(policy, optimizer, scheduler, stale, cfg, env, ledger,
+                                                           1)["canary_gap"]
+    except RuntimeError as e:  # expected: "step 1: vLLM and the trainer disagree on the tokens vLLM sampled ..."
+        report["sampled_gap_stale_caught"] = str(e).split(". The engine")[0]
+    optimizer.zero_grad(set_to_none=True)
     llm.sleep(level=2)
-    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1, bucket)["parity_gap"]
+    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1, bucket,
+                                                     asleep=True)["parity_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)
