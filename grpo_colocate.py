@@ -1471,9 +1471,9 @@ def train(cfg: Config, env, model_config, data):
     llm = make_engine(cfg, env, model_config)
     engine = SimpleNamespace(asleep=False, stale=True, info={},  # stale: forces the first push and parity check
                              auto_sleep=env.sleep and cfg.vllm_enable_sleep_mode == "auto")  # decided after step 1
-    # the canary: where vLLM's logprobs are of the distribution the trainer scores (IS correction on, no top-p/top-k),
-    # train_step checks the sampled tokens' gap for free (healthy bf16: 0.006-0.037), else the probe after every push
-    gap_canary = cfg.vllm_importance_sampling_correction and cfg.top_p == 1 and cfg.top_k == 0
+    # the canary: where vLLM returns sampled-token logprobs (IS correction on), train_step checks their gap to the
+    # trainer's for free (healthy bf16: 0.006-0.037), else the probe runs after every push
+    gap_canary = cfg.vllm_importance_sampling_correction
 
     def rest_engine(ledger):
         """Free the engine's GPU memory for the trainer (sleep mode; a no-op on CPU)."""

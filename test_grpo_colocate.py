@@ -1166,14 +1166,14 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
-    assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "canary probe" in proc.stdout  # top-p/k
+    assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "canary sampled" in proc.stdout
     assert "INFO " in proc.stdout and "Failed to load weights" in proc.stdout  # --verbose: vLLM's logs are back
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
-    assert r["parity_gap"] < 1e-4 and "canary_gap" not in r  # top-p/top-k: the probe checks every push
+    assert r["canary_gap"] < 1e-4 and "parity_gap" not in r  # top-p/top-k scored as sampled: the free canary
     assert "rewards/reward_len" in r and "rewards/format_reward" in r
     assert r["logprob_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
@@ -1221,7 +1221,7 @@ def test_e2e_two_nodes_on_one_host(tmp_path):
                 os.killpg(node.pid, signal.SIGKILL)
     assert codes == [0, 0], [open(log).read()[-4000:] for log in logs]
     assert "world 2 = 2 engine(s) x tp 1" in open(logs[0]).read()
-    assert read_metrics(out)[-1]["parity_gap"] < 1e-4
+    assert read_metrics(out)[-1]["canary_gap"] < 1e-4
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert [r["local_rank"] for r in ranks] == ["0", "0"]
     assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
@@ -1382,7 +1382,7 @@ def test_world8_cpu(world8, tp):
     assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean())
     assert m["completion_length/min"] == m["completion_length/max"] == 8 and m["completion_clipped_ratio"] == 1
     assert close(m["tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
-    assert m["parity_gap"] < 1e-4 and m["logprob_gap"] < 1e-3
+    assert m["canary_gap"] < 1e-4 and m["logprob_gap"] < 1e-3
     # the eval: 3 rows over 8 ranks, each scored once, the mean over the 3 (at step 0 and after step 1)
     evals = {r: [c for c in run.rewards[r] if len(c["row"]) == 1] for r in range(8)}
     records = [x for x in run.metrics if "eval/reward" in x]
@@ -1404,7 +1404,7 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
     run = world8.launch("resume2", 2, ["--vllm_tensor_parallel_size", "1", "--max_steps", "2", "--eval_steps", "0",
                                        "--resume_from_checkpoint", ckpt])
     assert [x["step"] for x in run.metrics] == [2]
-    assert run.metrics[0]["parity_gap"] < 1e-4 and math.isfinite(run.metrics[0]["grad_norm"])
+    assert run.metrics[0]["canary_gap"] < 1e-4 and math.isfinite(run.metrics[0]["grad_norm"])
     for path, step in ((ckpt, 1), (os.path.join(run.out, "checkpoint-2"), 2)):
         dcp_to_torch_save(os.path.join(path, "optimizer"), os.path.join(run.out, "optimizer.pt"))
         state = torch.load(os.path.join(run.out, "optimizer.pt"), weights_only=False)["optimizer"]["state"]
