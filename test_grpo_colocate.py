@@ -697,7 +697,8 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
     tiny_llama(vocab=len(tok)).save_pretrained(tmp_path / "tiny")
     cfg = gc.Config(model=str(tmp_path / "tiny"), num_generations=2, per_device_train_batch_size=2,
                     gradient_accumulation_steps=1, num_iterations=2, max_steps=2, eval_steps=1, save_steps=-1,
-                    vllm_importance_sampling_correction=False, reward_funcs=["reward_len"], output_dir=str(tmp_path))
+                    vllm_importance_sampling_correction=False, reward_funcs=["reward_len"], output_dir=str(tmp_path),
+                    vllm_enable_sleep_mode="true")  # (GPU-only: no check_config here)
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                            MASTER_PORT=str(free_port())).items():
         monkeypatch.setenv(key, value)
