@@ -104,7 +104,8 @@ class Config:
     dataset: str = arg("arithmetic", "'arithmetic' (built-in, offline), a hub dataset ('name' or 'name:config'), "
                        "or a local .json/.jsonl/.parquet/.csv file")
     dataset_split: str = arg("train", "split of --dataset to train on")
-    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval training rows")
+    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval training "
+                         "rows (at most a tenth of them)")
     prompt_column: str = arg("prompt", "column holding the prompt: a string or a list of chat messages")
     answer_column: str = arg("answer", "column holding the reference answer; reward functions get it as `answer`")
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
@@ -575,10 +576,14 @@ def load_rows(cfg: Config):
         eval_ = load_split(cfg.eval_split, "eval_split")
         eval_ = eval_.select(range(min(cfg.num_eval, len(eval_))))
     else:
-        if len(train) <= cfg.num_eval:
-            raise ConfigError(f"--num_eval: {cfg.num_eval} held-out rows leave no training rows in "
-                              f"{cfg.dataset!r} ({len(train)} rows); lower it or pass --eval_split")
-        parts = train.train_test_split(test_size=cfg.num_eval, seed=cfg.seed)
+        if len(train) < 2:
+            raise ConfigError(f"--dataset: {cfg.dataset!r} has {len(train)} row: nothing is left to train on once "
+                              "an eval row is held out; add rows or pass --eval_split")
+        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset keeps ~90% of its rows for training
+        if held < cfg.num_eval:
+            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: at most a "
+                   "tenth of the dataset); pass --eval_split to choose")
+        parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
     for column in (cfg.prompt_column, cfg.answer_column):
         if column not in train.column_names:

@@ -376,11 +376,21 @@ ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)
     ([{"question": "q", "answer": "1"}] * 10, {}, "--prompt_column"),
     ([{"prompt": "q", "solution": "1"}] * 10, {}, "--answer_column"),
     (ROWS, {"max_prompt_length": 5}, "--max_prompt_length"),  # every prompt is longer: nothing left
-    (ROWS, {"num_eval": 10}, "--num_eval"),  # no training rows left
+    (ROWS[:1], {"num_eval": 1}, "--dataset"),  # one row: nothing left to train on after the eval row
 ])
 def test_bad_datasets(tmp_path, rows, flags, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.prepare_data(data_config(tmp_path, rows, **flags))
+
+
+def test_small_dataset_holds_out_a_tenth(tmp_path, capsys):
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(24)]
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=32))  # run.sh's CPU default: 32
+    assert (len(train), len(held)) == (22, 2)  # 24 // 10 held out, instead of refusing
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in held)
+    assert "holding out 2 of 24 rows" in capsys.readouterr().out
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=1))  # a smaller --num_eval is kept
+    assert (len(train), len(held)) == (23, 1)
 
 
 def test_long_prompts_are_dropped_and_counted(tmp_path, capsys):
