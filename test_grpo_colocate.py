@@ -476,6 +476,34 @@ def test_accuracy_format_and_length_rewards():
     assert rf.reward_len(None, ["x" * 20, "x" * 25, ""]) == [0.0, -5.0, -20.0]
 
 
+MATH_CASES = [  # (reference, completion, reward): MATH-style references go through math-verify
+    (r"\frac{1}{2}", r"The answer is \boxed{0.5}", 1.0),
+    (r"\frac{1}{2}", r"so it is $\frac{2}{4}$", 1.0),
+    (r"\frac{1}{2}", r"\boxed{\frac{1}{3}}", 0.0),
+    (r"\sqrt{2}", r"\boxed{\sqrt{2}}", 1.0),
+    (r"\sqrt{2}", r"\boxed{1.41}", 0.0),
+    (r"x^2+1", r"\boxed{1 + x^2}", 1.0),
+    (r"x^2+1", "#### x^2 - 1", 0.0),
+    (r"The area is $\boxed{\frac{\sqrt{3}}{4}}$.", r"Therefore \boxed{\frac{\sqrt3}{4}}", 1.0),
+]
+
+
+def test_accuracy_reward_latex_answers_through_math_verify():
+    pytest.importorskip("math_verify")
+    refs, completions, want = zip(*MATH_CASES)
+    assert rf.accuracy_reward(None, list(completions), answer=list(refs)) == list(want)
+    # plain-number references keep the numeric path (the built-in task; GSM8K's '#### 18')
+    assert rf.accuracy_reward(None, ["#### 0.5", "I think 96", "#### 18"],
+                              answer=["0.5", "95", "48/2 = 24 ... #### 18"]) == [1.0, 0.0, 1.0]
+
+
+def test_accuracy_reward_without_math_verify(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # what the GPU image looks like: import fails
+    with pytest.warns(UserWarning, match="math-verify is not installed"):
+        got = rf.accuracy_reward(None, [r"\boxed{0.5}", "#### 7"], answer=[r"\frac{1}{2}", "7"])
+    assert got == [None, 1.0]  # not scored (the trainer counts None as 0), and numbers still work
+
+
 def test_score_passes_columns_and_repeats_per_group():
     rows = [{"prompt": "p0", "answer": "1", "prompt_ids": [0]}, {"prompt": "p1", "answer": "2", "prompt_ids": [1]}]
     table = gc.score([rf.accuracy_reward, rf.format_reward], rows, ["1", "#### 1", "2", "x"], G=2)
