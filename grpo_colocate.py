@@ -35,15 +35,16 @@ What is implemented, honestly:
     Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
         fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
         full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
+    LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
     Not implemented: GSPO sequence-level ratios, DAPO dynamic sampling and soft overlong penalty, entropy bonus,
-        PEFT/LoRA, multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+        multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
 import argparse
 import dataclasses
 import functools
 import hashlib
-import importlib
+import importlib.util
 import json
 import math
 import os
@@ -160,6 +161,14 @@ class Config:
                                  "CPU RAM (FSDP2 CPUOffloadPolicy); the optimizer step runs on the CPU")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in backward instead of "
                                        "storing them: far less memory, about a third more train compute")
+    # LoRA (peft): the adapters train, the base stays frozen; the engine runs merged weights W + (alpha / r) B A
+    use_peft: bool = arg(False, "train LoRA adapters (peft) instead of every weight; AdamW holds the adapters only")
+    lora_r: int = arg(16, "LoRA rank r")
+    lora_alpha: int = arg(32, "LoRA scale: the update is (lora_alpha / lora_r) B A")
+    lora_dropout: float = arg(0.0, "dropout on the adapters' input, in the gradient forward only (the no-grad passes "
+                              "stay exact); > 0 adds its noise to the trainer/vLLM gap and the IS weights")
+    lora_target_modules: list[str] = arg([], "modules to adapt, e.g. q_proj v_proj, or all-linear (default: peft's "
+                                         "choice for the architecture: q_proj v_proj for Llama and Qwen2)")
     # run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     max_steps: int = arg(200, "optimizer steps")
@@ -272,6 +281,12 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.fsdp_cpu_offload or cfg.fsdp, "fsdp_cpu_offload", "offloads FSDP2 shards; add --fsdp")
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
+    need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
+    need(cfg.lora_r >= 1 and cfg.lora_alpha > 0, "lora_r", "LoRA needs lora_r >= 1 and lora_alpha > 0")
+    need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
+    need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(os.path.join(
+        cfg.resume_from_checkpoint, "adapter")), "use_peft", "the checkpoint holds no LoRA adapter/; resume it "
+         "without --use_peft")
     need(cfg.num_eval >= 1, "num_eval", "must be >= 1")
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
@@ -746,17 +761,29 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     return p.to(device=device, dtype=dtype)
 
 
+def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> torch.Tensor:
+    """A LoRA-adapted weight as the engine runs it: W + (alpha / r) B A, in fp32, then cast to `dtype`. A new
+    tensor: the trainer's W stays the frozen base. Any other parameter: full_tensor."""
+    if not name.endswith(".base_layer.weight"):
+        return full_tensor(p, dtype, device)
+    layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
+    A, B = (full_tensor(m["default"].weight, torch.float32, device) for m in (layer.lora_A, layer.lora_B))
+    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)  # [out, in]
+
+
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     """(HF name, full tensor) for every parameter, in the same order on every rank. Tensors are gathered (or cast)
     a bucket of ~bucket_bytes ahead and handed over one by one, each reference dropped as it goes: whoever consumes
-    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model."""
-    params = list(lm.named_parameters())
+    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model.
+    A peft model (LoRA) yields its merged weights under the HF names, and not the adapters themselves."""
+    params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     i = 0
     while i < len(params):
         bucket, size = [], 0
         while i < len(params) and size < bucket_bytes:
-            name, p = params[i]
-            bucket.append((name, full_tensor(p, dtype, device)))
+            name, p = params[i]  # peft's base_model.model.<HF name> with .base_layer inside adapted modules
+            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
             size, i = size + bucket[-1][1].nbytes, i + 1
         bucket.reverse()
         while bucket:
@@ -888,6 +915,30 @@ def load_lm(path: str, device) -> nn.Module:
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
     lm.config.use_cache = False
     return lm.to(device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
+
+
+def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
+    """LoRA through peft: each target Linear computes W x + (alpha / r) B A x, W frozen, only A [r, in] and B [out, r]
+    trained (B starts at 0, so step 0 is the base model). On resume, the checkpoint's adapter."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if cfg.resume_from_checkpoint:
+        lm = PeftModel.from_pretrained(lm, os.path.join(cfg.resume_from_checkpoint, "adapter"), is_trainable=True)
+    else:
+        targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules or None
+        lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                           target_modules=targets, task_type="CAUSAL_LM"))
+    for name, m in lm.named_modules():  # dropout in gradient forwards only: parity, old and ref logps stay exact
+        if "lora_dropout" in name and isinstance(m, nn.Dropout):
+            m.register_forward_pre_hook(lambda m, args: setattr(m, "training", torch.is_grad_enabled()))
+    return lm.eval()
+
+
+def without_adapters(policy: nn.Module, *args):
+    """LoRA's reference model (beta > 0): the policy's own forward with the adapters switched off (peft's
+    disable_adapter), i.e. the frozen base. No second copy of the model."""
+    with policy.lm.disable_adapter():
+        return policy(*args)
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
@@ -1145,7 +1196,8 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> 
     and vLLM), the tokenizer, the flags (grpo_config.json), the AdamW state (optimizer/, torch.distributed.checkpoint:
     every rank writes its own shard, and a DDP checkpoint resumes under FSDP2 or another world size) and
     trainer_state.pt (scheduler, step). Written to a temp dir and renamed last: a kill at any point leaves either
-    the complete checkpoint or a .tmp dir that resume ignores."""
+    the complete checkpoint or a .tmp dir that resume ignores. With LoRA: the adapter in peft's format (adapter/,
+    what resume reads), and the merged HF weights in the final checkpoint only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1155,14 +1207,19 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer) -> 
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    lm = unwrap(policy).lm
+    lm, peft = unwrap(policy).lm, cfg.use_peft
     weights = {}  # every rank takes part in the gathers; rank 0 keeps the tensors, in CPU RAM
-    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20):
+    merged = not peft or step == cfg.max_steps  # LoRA: the (merged) HF weights in the final checkpoint only
+    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20) if merged else ():
         if env.is_main:
             weights[name] = tensor.cpu()
+    adapter = {n: full_tensor(p, torch.float32, env.device).cpu() for n, p in lm.named_parameters() if ".lora_" in n}
     dcp.save({"optimizer": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
     if env.is_main:
-        lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        if peft:
+            lm.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
+        if weights:
+            (lm.get_base_model() if peft else lm).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
@@ -1320,14 +1377,17 @@ def train(cfg: Config, env, model_config, data):
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
-    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to)
+    lm = load_lm(cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model, load_to)
+    lm = add_lora(lm.to(env.dtype), cfg) if cfg.use_peft else lm  # LoRA: a frozen base in bf16, fp32 adapters
     n_params = sum(p.numel() for p in lm.parameters())
     reference = None
-    if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
+    if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, in the engine's dtype (only run without grad)
         ref_lm = load_lm(cfg.model, load_to).to(env.dtype).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
     policy = wrap_policy(lm, env, cfg)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    if cfg.beta > 0 and cfg.use_peft:
+        reference = functools.partial(without_adapters, unwrap(policy))
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
@@ -1335,7 +1395,7 @@ def train(cfg: Config, env, model_config, data):
         scheduler.load_state_dict(state["scheduler"])
 
     trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + \
-        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * cfg.gradient_checkpointing
+        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * cfg.gradient_checkpointing + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions = "

@@ -293,10 +293,21 @@ def test_parse_args_types_and_bools():
     (["--resume_from_checkpoint", "/nonexistent"], "--resume_from_checkpoint"),
     (["--weight_push_bucket_mb", "0"], "--weight_push_bucket_mb"),
     (["--fsdp_cpu_offload"], "--fsdp_cpu_offload"),  # without --fsdp
+    (["--use_peft", "--lora_r", "0"], "--lora_r"),
+    (["--use_peft", "--lora_dropout", "1"], "--lora_dropout"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.parse_args(argv)
+
+
+def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
+    (tmp_path / "trainer_state.pt").write_bytes(b"")  # a full fine-tuning checkpoint: no adapter/
+    with pytest.raises(gc.ConfigError, match="--use_peft: the checkpoint holds no LoRA adapter"):
+        gc.parse_args(["--use_peft", "--resume_from_checkpoint", str(tmp_path)])
+    monkeypatch.setitem(sys.modules, "peft", None)  # not installed
+    with pytest.raises(gc.ConfigError, match="--use_peft: needs peft"):
+        gc.parse_args(["--use_peft"])
 
 
 def test_bad_tp_for_world(monkeypatch):
@@ -425,6 +436,48 @@ def test_non_finite_step_is_skipped():
     assert all(p.grad is None for p in policy.parameters()) and scheduler.last_epoch == 0
     sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, {})
     assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+
+def test_lora_trains_adapters_only_and_pushes_merged_weights():
+    """LoRA (peft) on the tiny Llama: only adapters train; full_weights yields W + (alpha / r) B A under the HF names
+    (equal to peft's own merge_and_unload) while the trainer's W stays the base; the reference (without_adapters)
+    is the base model; lora_dropout acts in gradient forwards only."""
+    import copy
+
+    base = tiny_llama()
+    hf_names = [n for n, _ in base.named_parameters()]
+    cfg = gc.Config(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.5, lora_target_modules=["all-linear"],
+                    loss_type="grpo", num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    vllm_importance_sampling_correction=False)
+    lm = gc.add_lora(copy.deepcopy(base), cfg)
+    policy = gc.Policy(lm)
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    input_ids, attention, completion_mask = gc.collate([[1, 2], [3]], [[4, 5], [6, 7]], pad_id=0)
+    batch = SimpleNamespace(input_ids=input_ids, attention_mask=attention, completion_mask=completion_mask,
+                            loss_mask=completion_mask.float(), advantages=torch.tensor([-1.0, 1.0]),
+                            vllm_logps=None, old_logps=None, ref_logps=None)
+    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    for _ in range(2):
+        assert gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})["skipped"] == 0.0
+    args = (input_ids, attention, completion_mask, 1.0)
+    with torch.no_grad():
+        assert torch.equal(policy(*args)[0], policy(*args)[0])  # no dropout without grad: exact
+        base_logps = gc.Policy(base)(*args)[0]
+        assert torch.allclose(gc.without_adapters(policy, *args)[0], base_logps, atol=1e-6)
+        assert not torch.allclose(policy(*args)[0], base_logps, atol=1e-4)  # the adapters moved the policy
+    assert not torch.equal(policy(*args)[0], policy(*args)[0])  # dropout in the gradient forward
+    merged = dict(gc.full_weights(lm, torch.float32, "cpu", 1 << 10))
+    assert list(merged) == hf_names  # HF names, in order, without the adapter tensors
+    want = copy.deepcopy(lm).merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[n], want[n], atol=1e-6) for n in hf_names)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(merged[name], base.get_parameter(name))
+    for n, p in lm.named_parameters():  # the trainer's base weights were never merged in place
+        if ".lora_" not in n:
+            assert torch.equal(p, base.get_parameter(n.removeprefix("base_model.model.").replace(".base_layer.", ".")))
 
 
 def _save_twice_and_die(out, port):
@@ -772,6 +825,45 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
+
+
+def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
+    """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
+    parity check after every push of merged weights, adapter checkpoints. Then resume from checkpoint-1 under DDP:
+    the same step 2."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(model_dir)  # head_dim 64: vLLM-CPU's attention needs it
+    tok.save_pretrained(model_dir)
+    flags = ["--model", model_dir, "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0",
+             "--lora_target_modules", "all-linear", "--beta", "0.1", "--num_generations", "4",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_prompt_length", "96",
+             "--max_completion_length", "12", "--reward_funcs", "reward_len", "--learning_rate", "1e-2",
+             "--num_eval", "4", "--eval_steps", "0", "--max_steps", "2"]
+    out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
+    proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--output_dir", out])
+    assert "trainer FSDP2 + LoRA r 8" in proc.stdout
+    steps = [r for r in read_metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["parity_gap"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
+    assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # B starts at 0: step 1's policy is the reference (the base)
+    ckpt1, ckpt2 = os.path.join(out, "checkpoint-1"), os.path.join(out, "checkpoint-2")
+    assert os.path.isfile(os.path.join(ckpt1, "adapter", "adapter_config.json"))
+    assert not os.path.exists(os.path.join(ckpt1, "model.safetensors"))  # merged weights: the final one only
+    merged = AutoModelForCausalLM.from_pretrained(ckpt2, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[name], base.state_dict()[name])  # what the engine got moved...
+    want = PeftModel.from_pretrained(base, os.path.join(ckpt2, "adapter")).merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[n], want[n], atol=1e-6) for n in want)  # ...from the untouched base
+    run_trainer([*flags, "--save_steps", "-1", "--output_dir", resumed, "--resume_from_checkpoint", ckpt1])
+    want, got = steps[1], [r for r in read_metrics(resumed) if r["step"] == 2][0]
+    assert got["reward"] == want["reward"] and got["completion_length/mean"] == want["completion_length/mean"]
+    for key in ("loss", "kl", "grad_norm", "parity_gap", "entropy"):
+        assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
 
 
 # ------------------------------------------------------------------------------------------------------------
