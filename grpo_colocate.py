@@ -1516,6 +1516,28 @@ def main(argv=None):
     dist.barrier()
     dist.destroy_process_group()
     print0("done")
+    if env.is_main:
+        plot_curves(cfg.output_dir)
+
+
+def plot_curves(output_dir: str):
+    """The training reward per step and each held-out eval score, from metrics.jsonl, into curves.png."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("matplotlib is not installed: no curves.png (pip install matplotlib)")
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), "o-" if "/" in key else "-", label=key)
+    ax.set(xlabel="step", title=f"{output_dir}: training reward and held-out scores")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(os.path.join(output_dir, "curves.png"), dpi=110)
+    print(f"curves: {os.path.join(output_dir, 'curves.png')}")
 
 
 if __name__ == "__main__":

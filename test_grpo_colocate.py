@@ -557,6 +557,18 @@ def test_accuracy_reward_without_math_verify(monkeypatch):
     assert got == [None, 1.0]  # not scored (the trainer counts None as 0), and numbers still work
 
 
+def test_plot_curves(tmp_path, capsys, monkeypatch):
+    records = [{"step": 0, "eval/accuracy_reward": 0.1}, {"step": 1, "reward": 0.2}, {"step": 2, "reward": 0.5,
+                                                                                    "eval/accuracy_reward": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    gc.plot_curves(str(tmp_path))
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"curves: {tmp_path / 'curves.png'}" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: say so, skip
+    gc.plot_curves(str(tmp_path))
+    assert "matplotlib is not installed" in capsys.readouterr().out
+
+
 def test_score_passes_columns_and_repeats_per_group():
     rows = [{"prompt": "p0", "answer": "1", "prompt_ids": [0]}, {"prompt": "p1", "answer": "2", "prompt_ids": [1]}]
     table = gc.score([rf.accuracy_reward, rf.format_reward], rows, ["1", "#### 1", "2", "x"], G=2)
@@ -846,6 +858,7 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
     proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--output_dir", out])
     assert "trainer FSDP2 + LoRA r 8" in proc.stdout
+    assert f"curves: {out}/curves.png" in proc.stdout and os.path.isfile(os.path.join(out, "curves.png"))
     steps = [r for r in read_metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["parity_gap"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
