@@ -105,8 +105,7 @@ class Config:
     dataset: str = arg("arithmetic", "'arithmetic' (built-in, offline), a hub dataset ('name' or 'name:config'), "
                        "or a local .json/.jsonl/.parquet/.csv file")
     dataset_split: str = arg("train", "split of --dataset to train on")
-    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval training "
-                         "rows (at most a tenth of them)")
+    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval (<= 1/10) train rows")
     prompt_column: str = arg("prompt", "column holding the prompt: a string or a list of chat messages")
     answer_column: str = arg("answer", "column holding the reference answer; reward functions get it as `answer`")
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
@@ -165,10 +164,8 @@ class Config:
     use_peft: bool = arg(False, "train LoRA adapters (peft) instead of every weight; AdamW holds the adapters only")
     lora_r: int = arg(16, "LoRA rank r")
     lora_alpha: int = arg(32, "LoRA scale: the update is (lora_alpha / lora_r) B A")
-    lora_dropout: float = arg(0.0, "dropout on the adapters' input, in the gradient forward only (the no-grad passes "
-                              "stay exact); > 0 adds its noise to the trainer/vLLM gap and the IS weights")
-    lora_target_modules: list[str] = arg([], "modules to adapt, e.g. q_proj v_proj, or all-linear (default: peft's "
-                                         "choice for the architecture: q_proj v_proj for Llama and Qwen2)")
+    lora_dropout: float = arg(0.0, "adapter dropout, in gradient forwards only (see README, LoRA)")
+    lora_target_modules: list[str] = arg([], "e.g. q_proj v_proj, or all-linear (default: peft's for the model)")
     # run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     max_steps: int = arg(200, "optimizer steps")
@@ -176,6 +173,9 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
+    report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
+    log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
+    num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
     resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from, or 'latest' (the newest complete "
                                       "one in --output_dir)")
 
@@ -284,9 +284,11 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
     need(cfg.lora_r >= 1 and cfg.lora_alpha > 0, "lora_r", "LoRA needs lora_r >= 1 and lora_alpha > 0")
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
-    need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(os.path.join(
-        cfg.resume_from_checkpoint, "adapter")), "use_peft", "the checkpoint holds no LoRA adapter/; resume it "
-         "without --use_peft")
+    need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
+         "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
+    need(cfg.report_to == "none" or cfg.report_to in ("tensorboard", "wandb") and importlib.util.find_spec(
+        cfg.report_to), "report_to", f"{cfg.report_to!r}: use none, or tensorboard or wandb once installed (pip)")
+    need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
     need(cfg.num_eval >= 1, "num_eval", "must be >= 1")
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
@@ -588,31 +590,22 @@ def load_rows(cfg: Config):
 
     train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
-        eval_ = load_split(cfg.eval_split, "eval_split")
-        eval_ = eval_.select(range(min(cfg.num_eval, len(eval_))))
+        eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
         if len(train) < 2:
-            raise ConfigError(f"--dataset: {cfg.dataset!r} has {len(train)} row: nothing is left to train on once "
-                              "an eval row is held out; add rows or pass --eval_split")
+            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held out for eval")
         held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset keeps ~90% of its rows for training
         if held < cfg.num_eval:
-            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: at most a "
-                   "tenth of the dataset); pass --eval_split to choose")
+            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: <= a tenth)")
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
-    for column in (cfg.prompt_column, cfg.answer_column):
+    for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
         if column not in train.column_names:
-            flag = "prompt_column" if column == cfg.prompt_column else "answer_column"
-            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns are "
-                              f"{train.column_names}")
+            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns: {train.column_names}")
 
-    def rows(ds):
-        out = []
-        for row in ds:
-            row = dict(row)
-            row["prompt"], row["answer"] = row.pop(cfg.prompt_column), row.pop(cfg.answer_column)
-            out.append(row)
-        return out
+    def rows(ds):  # the prompt and answer columns renamed to what the trainer and reward functions expect
+        return [{**{k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)},
+                 "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]} for row in ds]
     return rows(train), rows(eval_)
 
 
@@ -762,8 +755,7 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
 
 
 def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """A LoRA-adapted weight as the engine runs it: W + (alpha / r) B A, in fp32, then cast to `dtype`. A new
-    tensor: the trainer's W stays the frozen base. Any other parameter: full_tensor."""
+    """A LoRA-adapted weight as the engine runs it, W + (alpha / r) B A, as a new tensor (W stays the base)."""
     if not name.endswith(".base_layer.weight"):
         return full_tensor(p, dtype, device)
     layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
@@ -934,13 +926,6 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
     return lm.eval()
 
 
-def without_adapters(policy: nn.Module, *args):
-    """LoRA's reference model (beta > 0): the policy's own forward with the adapters switched off (peft's
-    disable_adapter), i.e. the frozen base. No second copy of the model."""
-    with policy.lm.disable_adapter():
-        return policy(*args)
-
-
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
     """The policy (or the frozen reference, trainable=False) ready to run on this rank.
     DDP: every rank holds the whole model; gradients are all-reduced (averaged) in backward.
@@ -1057,6 +1042,7 @@ def rollout(llm, cfg, env, tokenizer, rows, reward_funcs, reward_weights, gen_in
     return SimpleNamespace(
         input_ids=input_ids, attention_mask=attention_mask, completion_mask=completion_mask,
         loss_mask=loss_mask, advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
+        texts=list(zip([row["prompt"] for row in rows for _ in range(G)], texts)),  # (prompt, completion): the logs
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
@@ -1316,6 +1302,35 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     return m
 
 
+def make_tracker(cfg: Config) -> SimpleNamespace:
+    """--report_to: the metrics.jsonl records (same keys) and --log_completions rows, to TensorBoard or W&B."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
+        return SimpleNamespace(close=tb.close, log=lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items()],
+                               table=lambda step, rows: tb.add_text("completions", "\n\n".join(map(json.dumps, rows)),
+                                                                    step))
+    if cfg.report_to == "wandb":
+        import wandb
+
+        run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
+        return SimpleNamespace(close=run.finish, log=lambda m: run.log(m, step=m["step"]), table=lambda step, rows:
+                               run.log({"completions": wandb.Table(columns=list(rows[0]),
+                                                                   data=[list(r.values()) for r in rows])}, step=step))
+    return SimpleNamespace(close=lambda: None, log=lambda m: None, table=lambda step, rows: None)
+
+
+def log_completions(cfg, step, batch, reward_funcs, tracker):
+    """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the tracker's table."""
+    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": batch.advantages[i].item(),
+             **{fn.__name__: batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
+            for i, (prompt, text) in enumerate(batch.texts[:cfg.num_completions_to_print or None])]
+    with open(os.path.join(cfg.output_dir, "completions.jsonl"), "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    tracker.table(step, rows)
+
+
 def log_line(step, max_steps, m) -> str:
     rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
                         if k.startswith("rewards/"))
@@ -1385,9 +1400,9 @@ def train(cfg: Config, env, model_config, data):
         ref_lm = load_lm(cfg.model, load_to).to(env.dtype).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
     policy = wrap_policy(lm, env, cfg)
-    if cfg.beta > 0 and cfg.use_peft:
-        reference = functools.partial(without_adapters, unwrap(policy))
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
@@ -1395,7 +1410,8 @@ def train(cfg: Config, env, model_config, data):
         scheduler.load_state_dict(state["scheduler"])
 
     trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + \
-        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * cfg.gradient_checkpointing + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
+        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * cfg.gradient_checkpointing \
+        + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions = "
@@ -1408,10 +1424,13 @@ def train(cfg: Config, env, model_config, data):
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
 
+    tracker = make_tracker(cfg) if env.is_main else None
+
     def write_metrics(record):
         if env.is_main:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            tracker.log(record)  # the same keys
 
     ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
@@ -1443,8 +1462,9 @@ def train(cfg: Config, env, model_config, data):
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1:
                     batch.old_logps = frozen_logps(unwrap(policy), batch, cfg, env)
-                if reference is not None:
-                    batch.ref_logps = frozen_logps(reference, batch, cfg, env)
+                if reference is not None:  # LoRA: the reference is the base, i.e. the policy with its adapters off
+                    with unwrap(policy).lm.disable_adapter() if cfg.use_peft else nullcontext():
+                        batch.ref_logps = frozen_logps(reference, batch, cfg, env)
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -1482,11 +1502,16 @@ def train(cfg: Config, env, model_config, data):
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:
             write_metrics(m)
+            if cfg.log_completions and env.is_main:
+                log_completions(cfg, step, batch, reward_funcs, tracker)
         if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
             path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer)
             print0(f"saved {path}")
         bar.update(1)
     bar.close()
+    if env.is_main:
+        tracker.close()
+        plot_curves(cfg.output_dir)
     return llm
 
 
@@ -1516,20 +1541,15 @@ def main(argv=None):
     dist.barrier()
     dist.destroy_process_group()
     print0("done")
-    if env.is_main:
-        plot_curves(cfg.output_dir)
 
 
 def plot_curves(output_dir: str):
     """The training reward per step and each held-out eval score, from metrics.jsonl, into curves.png."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")  # files only, no display
         import matplotlib.pyplot as plt
     except ImportError:
         return print("matplotlib is not installed: no curves.png (pip install matplotlib)")
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):
         ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), "o-" if "/" in key else "-", label=key)

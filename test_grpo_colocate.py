@@ -295,6 +295,8 @@ def test_parse_args_types_and_bools():
     (["--fsdp_cpu_offload"], "--fsdp_cpu_offload"),  # without --fsdp
     (["--use_peft", "--lora_r", "0"], "--lora_r"),
     (["--use_peft", "--lora_dropout", "1"], "--lora_dropout"),
+    (["--report_to", "mlflow"], "--report_to"),
+    (["--log_completions", "--num_completions_to_print", "-1"], "--num_completions_to_print"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -303,11 +305,17 @@ def test_bad_flags_rejected_with_the_flag_named(argv, flag):
 
 def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
     (tmp_path / "trainer_state.pt").write_bytes(b"")  # a full fine-tuning checkpoint: no adapter/
-    with pytest.raises(gc.ConfigError, match="--use_peft: the checkpoint holds no LoRA adapter"):
+    with pytest.raises(gc.ConfigError, match="--use_peft: the checkpoint to resume holds no LoRA adapter"):
         gc.parse_args(["--use_peft", "--resume_from_checkpoint", str(tmp_path)])
     monkeypatch.setitem(sys.modules, "peft", None)  # not installed
     with pytest.raises(gc.ConfigError, match="--use_peft: needs peft"):
         gc.parse_args(["--use_peft"])
+
+
+def test_report_to_wandb_needs_wandb(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed (it is not, in CI)
+    with pytest.raises(gc.ConfigError, match="--report_to: 'wandb': use none, or tensorboard or wandb once installed"):
+        gc.parse_args(["--report_to", "wandb"])
 
 
 def test_bad_tp_for_world(monkeypatch):
@@ -440,7 +448,7 @@ def test_non_finite_step_is_skipped():
 
 def test_lora_trains_adapters_only_and_pushes_merged_weights():
     """LoRA (peft) on the tiny Llama: only adapters train; full_weights yields W + (alpha / r) B A under the HF names
-    (equal to peft's own merge_and_unload) while the trainer's W stays the base; the reference (without_adapters)
+    (equal to peft's own merge_and_unload) while the trainer's W stays the base; the reference (adapters disabled)
     is the base model; lora_dropout acts in gradient forwards only."""
     import copy
 
@@ -466,7 +474,8 @@ def test_lora_trains_adapters_only_and_pushes_merged_weights():
     with torch.no_grad():
         assert torch.equal(policy(*args)[0], policy(*args)[0])  # no dropout without grad: exact
         base_logps = gc.Policy(base)(*args)[0]
-        assert torch.allclose(gc.without_adapters(policy, *args)[0], base_logps, atol=1e-6)
+        with lm.disable_adapter():  # the reference with beta > 0
+            assert torch.allclose(policy(*args)[0], base_logps, atol=1e-6)
         assert not torch.allclose(policy(*args)[0], base_logps, atol=1e-4)  # the adapters moved the policy
     assert not torch.equal(policy(*args)[0], policy(*args)[0])  # dropout in the gradient forward
     merged = dict(gc.full_weights(lm, torch.float32, "cpu", 1 << 10))
@@ -841,8 +850,9 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
 
 def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
-    parity check after every push of merged weights, adapter checkpoints. Then resume from checkpoint-1 under DDP:
-    the same step 2."""
+    parity check after every push of merged weights, adapter checkpoints; TensorBoard, logged completions and the
+    curves. Then resume from checkpoint-1 under DDP: the same step 2."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -856,13 +866,22 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
              "--max_completion_length", "12", "--reward_funcs", "reward_len", "--learning_rate", "1e-2",
              "--num_eval", "4", "--eval_steps", "0", "--max_steps", "2"]
     out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
-    proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--output_dir", out])
+    proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--report_to", "tensorboard", "--log_completions",
+                        "--num_completions_to_print", "3", "--output_dir", out])
     assert "trainer FSDP2 + LoRA r 8" in proc.stdout
     assert f"curves: {out}/curves.png" in proc.stdout and os.path.isfile(os.path.join(out, "curves.png"))
     steps = [r for r in read_metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["parity_gap"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
     assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # B starts at 0: step 1's policy is the reference (the base)
+    events = EventAccumulator(os.path.join(out, "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {k for r in read_metrics(out) for k in r}  # the same keys
+    assert [e.value for e in events.Scalars("reward")] == [r["reward"] for r in steps]
+    samples = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
+    assert [r["step"] for r in samples] == [1, 1, 1, 2, 2, 2]  # 3 rows per logged step
+    assert set(samples[0]) == {"step", "prompt", "completion", "advantage", "reward_len"}
+    assert "completions/text_summary" in events.Tags()["tensors"]  # the same rows, as text
     ckpt1, ckpt2 = os.path.join(out, "checkpoint-1"), os.path.join(out, "checkpoint-2")
     assert os.path.isfile(os.path.join(ckpt1, "adapter", "adapter_config.json"))
     assert not os.path.exists(os.path.join(ckpt1, "model.safetensors"))  # merged weights: the final one only
