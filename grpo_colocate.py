@@ -1326,8 +1326,7 @@ def log_completions(cfg, step, batch, reward_funcs, tracker):
     rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": batch.advantages[i].item(),
              **{fn.__name__: batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
             for i, (prompt, text) in enumerate(batch.texts[:cfg.num_completions_to_print or None])]
-    with open(os.path.join(cfg.output_dir, "completions.jsonl"), "a") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    open(os.path.join(cfg.output_dir, "completions.jsonl"), "a").writelines(json.dumps(row) + "\n" for row in rows)
     tracker.table(step, rows)
 
 
