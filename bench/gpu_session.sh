@@ -8,6 +8,7 @@
 #   fixed     ours (defaults) vs TRL (its defaults), fixed 256-token completions: SmolLM2-135M and the 1.5B shape
 #   varlen    the same on completions of natural, widely spread lengths (SmolLM2, "write N sentences about X")
 #   learn [SEED]  60-step learning runs (seeds 42 and 7, or SEED), ours vs TRL (BENCHMARKS.md section 4's settings)
+#   seeds     generate with and without per-request seeds (run after fixed: it needs the 1.5B shape)
 #   lora      the 1.5B shape: LoRA vs full fine-tuning, memory and step time
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,6 +79,8 @@ learn)
     cp outputs/learn/ours-s$seed/metrics.jsonl "$OUT/learn_ours-s$seed.jsonl"
     cp outputs/learn/trl-s$seed/metrics.jsonl "$OUT/learn_trl-s$seed.jsonl"
   done ;;
+seeds)  # per-request seeds vs none, one engine, the same requests (the 1.5B shape)
+  python3 bench/seeds_ab.py "$HOME/.cache/grpo_colocate/qwen2.5-1.5b-random" 2>&1 | grep "tok/s" | tee "$OUT/seeds.txt" ;;
 lora)
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape --max_steps 6; keep "$(latest qwen2.5-1.5b)" full-1.5b
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape --max_steps 6 --use_peft --learning_rate 1e-5
