@@ -4,7 +4,8 @@
 # six wheels TRL needs beyond the image are carried in .stage/trl. Every run's metrics.jsonl and log are copied to
 # $OUT (the device tool brings it back), named after the run.
 #   install   TRL's wheels into /tmp/site
-#   checks    packed attention vs each sequence alone; lm_head logprob variants; resume reproduces the rollouts
+#   checks    packed attention vs each sequence alone; lm_head logprob variants
+#   resume    a run resumed from checkpoint-2 reproduces steps 3-4 of the uninterrupted run
 #   fixed     ours (defaults) vs TRL (its defaults), fixed 256-token completions: SmolLM2-135M and the 1.5B shape
 #   varlen    the same on completions of natural, widely spread lengths (SmolLM2, "write N sentences about X")
 #   learn [SEED]  60-step learning runs (seeds 42 and 7, or SEED), ours vs TRL (BENCHMARKS.md section 4's settings)
@@ -33,9 +34,10 @@ install)
   versions ;;
 checks)
   python3 bench/packed_check.py 2>&1 | tee "$OUT/packed_check.txt" | tail -20
-  python3 bench/logprobs_bench.py 2>&1 | tee "$OUT/logprobs_bench.txt" | tail -20
+  python3 bench/logprobs_bench.py 2>&1 | tee "$OUT/logprobs_bench.txt" | tail -20 ;;
+resume)
   # resume reproduces the rollouts (issue 12): 4 steps saving at 2, then a resume from checkpoint-2 to 4
-  R=(--max_steps 4 --eval_steps 0 --max_completion_length 128)
+  R=(--model "$SMOL" --max_steps 4 --eval_steps 0 --max_completion_length 128)
   bash run.sh "${R[@]}" --save_steps 2 --output_dir outputs/resume-full > "$OUT/resume-full.log" 2>&1
   bash run.sh "${R[@]}" --save_steps -1 --output_dir outputs/resume-half \
     --resume_from_checkpoint outputs/resume-full/checkpoint-2 > "$OUT/resume-half.log" 2>&1
