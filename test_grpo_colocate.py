@@ -850,8 +850,9 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     """tp=2 on 2 ranks (one engine over both), with the non-default paths: FSDP2 with activation checkpointing and a
     1 MB push bucket (every rank gathers full tensors for the shared engine), a local dataset with other column
     names, beta > 0 (a sharded reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards,
-    token-level truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule,
-    fixed-length generations."""
+    token-level truncated IS, masked truncation, clip-higher, three weighted reward functions (one the soft overlong
+    punishment), a cosine schedule, fixed-length generations, GSPO sequence-level ratios (with a tiny epsilon, so that
+    step 2's ratios get clipped), the entropy bonus and top_entropy_quantile (its threshold gathered over 2 ranks)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
@@ -871,8 +872,10 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos",
         "--max_steps", "2", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
         "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
-        "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
-        "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
+        "--mask_truncated_completions", "false", "--epsilon", "1e-4", "--epsilon_high", "0.28",
+        "--importance_sampling_level", "sequence", "--entropy_coef", "0.01", "--top_entropy_quantile", "0.5",
+        "--reward_funcs", "reward_len", "format_reward", "soft_overlong_punishment",
+        "--reward_weights", "0.1", "1.0", "1.0",
         "--temperature", "0.9", "--top_p", "0.95", "--top_k", "50", "--lr_scheduler_type", "cosine",
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
@@ -886,6 +889,10 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     assert r["parity_gap"] < 1e-4 and "rewards/reward_len" in r and "rewards/format_reward" in r
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
+    assert r["rewards/soft_overlong_punishment"] == -1.0  # every completion has max_completion_length tokens
+    # sequence level: a sequence is clipped whole, so of the 16 x 16 tokens a multiple of 16 are (token level: 118)
+    clipped = r["clip_ratio/low"] * 16 * 16
+    assert clipped > 0 and abs(clipped - 16 * round(clipped / 16)) < 1e-6, clipped
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
 
