@@ -757,6 +757,7 @@ REQUIRED_KEYS = [
     "time/train", "time/optimizer", "time/push", "time/sleep", "time/other", "time/step", "tokens_per_sec_per_gpu",
 ]
 NOT_REPRODUCIBLE = ("time/", "tokens_per_sec", "generate_tokens_per_sec")
+DYNAMIC = ["--dynamic_sampling_factor", "2"]  # the two-rank run and its resume: 4 prompts generated, 2 trained
 
 
 def run_trainer(args, nproc=2, timeout=900, check=True, **env_extra):
@@ -787,8 +788,8 @@ def two_rank_run(tmp_path_factory):
     assert os.path.isfile(os.path.join(MODEL, "model.safetensors")), \
         f"the embedded model is missing at {MODEL}: run the tests through `bash run.sh test`, which prepares it"
     out = str(tmp_path_factory.mktemp("e2e"))
-    proc = run_trainer(["--model", MODEL, *SMALL, "--max_steps", "2", "--save_steps", "1", "--eval_steps", "2",
-                        "--output_dir", out])
+    proc = run_trainer(["--model", MODEL, *SMALL, *DYNAMIC, "--max_steps", "2", "--save_steps", "1",
+                        "--eval_steps", "2", "--output_dir", out])
     return out, proc
 
 
@@ -805,6 +806,18 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
         assert not bad, bad
     assert "eval/accuracy_reward" in steps[-1]
     assert "step 2/2 | reward" in proc.stdout  # the stdout line
+
+
+def test_e2e_dynamic_sampling(two_rank_run):
+    out, proc = two_rank_run
+    assert "2 prompts (of 4 generated)" in proc.stdout
+    for r in read_metrics(out):
+        if "reward" in r:  # twice the prompts generated; of their groups, the share whose rewards vary
+            assert r["dynamic_sampling/generated_per_trained_token"] > 1
+            varied = r["dynamic_sampling/informative_fraction"] * 8  # of the 2 ranks x 4 groups generated
+            trained_varied = (1 - r["frac_reward_zero_std"]) * 4  # of the 2 x 2 groups trained
+            # each rank trains on up to 2 of its own varied groups before any zero-std filler
+            assert min(varied, 2) - 1e-6 <= trained_varied <= min(varied, 4) + 1e-6, (varied, trained_varied)
 
 
 def test_e2e_parity_checked_after_every_push(two_rank_run):
@@ -833,7 +846,8 @@ def test_e2e_policy_changed_and_checkpoint_loads_in_transformers(two_rank_run):
 def test_e2e_resume_reproduces_step_two(two_rank_run, tmp_path):
     out, _ = two_rank_run
     resumed = str(tmp_path / "resumed")
-    run_trainer(["--model", MODEL, *SMALL, "--max_steps", "2", "--eval_steps", "2", "--output_dir", resumed,
+    run_trainer(["--model", MODEL, *SMALL, *DYNAMIC, "--max_steps", "2", "--eval_steps", "2",
+                 "--output_dir", resumed,
                  "--resume_from_checkpoint", os.path.join(out, "checkpoint-1")])
     want = [r for r in read_metrics(out) if r["step"] == 2][0]
     got = [r for r in read_metrics(resumed) if r["step"] == 2][0]
