@@ -556,7 +556,7 @@ def test_soft_overlong_punishment():
 
 
 class CharTokenizer:  # ids are character codes: enough to test scoring without a real tokenizer
-    pad_token_id = 0
+    pad_token_id, eos_token_id = 0, 1
 
     def batch_decode(self, ids, skip_special_tokens=True):
         return ["".join(map(chr, i)) for i in ids]
@@ -589,20 +589,19 @@ def constant_on_even_prompts(prompts, completions, **columns):  # prompt "k": re
 
 
 def stand_in_rollout(monkeypatch, prompt_numbers, factor):
-    """rollout() on prompts "0", "1", ... with a stand-in engine (completion j of prompt k: j + 1 tokens of k),
-    G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
+    """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k: j + 1 tokens of
+    k), G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                     dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False)
     rows = [{"prompt": str(k), "answer": "", "prompt_ids": [100 + k]} for k in prompt_numbers]
 
-    def generate(requests, params, use_tqdm):
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[48 + r["prompt_token_ids"][0] - 100] * (j + 1),
-                                                         finish_reason="stop") for j in range(2)])
-                for r in requests]
-    env = SimpleNamespace(tp=1, tp_group=None, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
-    monkeypatch.setattr(gc, "sampling_params", lambda cfg, logprobs=False: None)  # no vllm import
-    return gc.rollout(SimpleNamespace(generate=generate), cfg, env, CharTokenizer(), rows, [constant_on_even_prompts],
-                      torch.ones(1), 0, {})
+    def generate(llm, env, prompt_ids, *args):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[48 + ids[0] - 100] * (j + 1), finish_reason="stop")
+                                         for j in range(2)]) for ids in prompt_ids]
+    monkeypatch.setattr(gc, "generate", generate)
+    monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
+    env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, [constant_on_even_prompts], torch.ones(1), 0, {})
 
 
 def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
