@@ -36,7 +36,9 @@ What is implemented, honestly:
     Loss normalisations (loss_type), as TRL 1.16 computes them: grpo (per-sequence mean), bnpo (token mean per
         micro-batch), dr_grpo (Liu et al. 2025: constant B * max_completion_length; use scale_rewards=none too),
         dapo (Yu et al. 2025: token mean over the whole global batch; the default).
-    Clip-higher (DAPO): epsilon_high > epsilon. Overlong filtering (DAPO): mask_truncated_completions.
+    DAPO: clip-higher (epsilon_high), overlong filtering (mask_truncated_completions), the soft overlong penalty
+        (the soft_overlong_punishment reward), dynamic sampling (dynamic_sampling_factor). GSPO (Zheng et al. 2025):
+        importance_sampling_level sequence. Entropy: entropy_coef (a bonus), top_entropy_quantile (Wang et al. 2025).
     Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
         level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. The KL term is the plain k3 estimator,
         without TRL 1.16's optional ratio-weighted "bias correction".
@@ -44,7 +46,7 @@ What is implemented, honestly:
         fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
         full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
     LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
-    Not implemented: GSPO sequence-level ratios, DAPO dynamic sampling and soft overlong penalty, entropy bonus,
+    Not implemented: TRL's adaptive entropy coefficient, the cispo / sapo / luspo / vespo losses,
         multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
@@ -148,6 +150,10 @@ class Config:
     vllm_importance_sampling_mode: str = arg("sequence_mask", "token_truncate | token_mask | sequence_truncate | "
                                              "sequence_mask: truncate clamps the weight, mask zeroes it")
     vllm_importance_sampling_clip_max: float = arg(3.0, "cap of the importance weight")
+    importance_sampling_level: str = arg("token", "token | sequence (GSPO: one clipped ratio per sequence)")
+    top_entropy_quantile: float = arg(1.0, "rho: the policy term keeps the top rho of tokens by entropy (1: all)")
+    entropy_coef: float = arg(0.0, "entropy bonus: per-token loss -= coef * entropy, normalised like the loss (0: off)")
+    dynamic_sampling_factor: float = arg(1.0, "DAPO: generate for F x the prompts, train on varied groups (1: off)")
     # rewards
     reward_funcs: list[str] = arg(["accuracy_reward"], "names from reward_fns.py, or module:function for your own "
                                   "(several are summed with --reward_weights)")
@@ -280,6 +286,10 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.vllm_importance_sampling_mode in modes, "vllm_importance_sampling_mode",
          f"unknown {cfg.vllm_importance_sampling_mode!r}; use one of {', '.join(modes)}")
     need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
+    need(cfg.importance_sampling_level in ("token", "sequence"), "importance_sampling_level", "use token or sequence")
+    need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
+    need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
+    need(1 <= cfg.dynamic_sampling_factor < math.inf, "dynamic_sampling_factor", "must be >= 1 (1: off), e.g. 2")
     need(len(cfg.reward_funcs) >= 1, "reward_funcs", "name at least one reward function")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
          f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
@@ -424,13 +434,16 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-              ref_logps=None, beta=0.0, max_completion_length=None, num_items=None, is_weights=None):
+              ref_logps=None, beta=0.0, max_completion_length=None, num_items=None, is_weights=None,
+              importance_sampling_level="token", entropy=None, entropy_coef=0.0, entropy_threshold=None):
     """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
 
-    logps, old_logps, ref_logps, mask: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
+    logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
         r_t  = exp(logp_t - old_logp_t)                        (== 1 when num_iterations = 1; the gradient flows)
-        l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t  +  beta * KL_t
+        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
+        l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t * e_t  +  beta * KL_t  -  c * H_t e_t
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
+        e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
     micro-batches; num_items=None: this batch's own sequences N = B, or tokens):
         grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (num_items = N)
@@ -441,15 +454,21 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     """
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
-    ratio = torch.exp(logps - old_logps)  # [B, T]
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [B, T]
-    per_token = -torch.min(ratio * adv, clipped * adv)  # [B, T]
+    log_ratio = logps - old_logps  # [B, T]
+    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
+    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]: then every token of a sequence is clipped alike
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    keep = 1.0 if entropy_threshold is None else (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]: e_t
+    per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]: only high-entropy tokens learn
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
         per_token = per_token + beta * kl
+    if entropy_coef != 0.0:  # the entropy bonus, on the tokens the policy term keeps
+        per_token = per_token - entropy_coef * entropy * keep
 
     sequences = logps.shape[0] if num_items is None else num_items
     if loss_type == "grpo":
@@ -506,7 +525,7 @@ def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
     return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
 
 
-def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1.0):
+def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1.0, entropy_grad=False):
     """One chunk: log softmax(h W^T / temperature)[target] and the (full distribution's) entropy. hidden: [N, H],
     targets: [N]. top_k / top_p: logp = logit_target - logsumexp over the kept set + the target (finite in bf16)."""
     logits = F.linear(hidden, weight).float() / temperature  # [N, V] in fp32
@@ -515,12 +534,14 @@ def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1
         mask = top_k_top_p_mask(logits.detach(), top_k, top_p).scatter_(-1, targets.unsqueeze(-1), True)  # [N, V]
         kept = logits.masked_fill(~mask, -math.inf)  # [N, V]
     logps = kept.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(kept, dim=-1)  # [N]
-    with torch.no_grad():  # entropy is only logged: H = logz - sum_v p_v * logit_v
-        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N]
+    with nullcontext() if entropy_grad else torch.no_grad():  # a gradient only for --entropy_coef
+        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N], H =
+        # logz - sum_v p_v * logit_v
     return logps, entropy
 
 
-def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0):
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
+                     entropy_grad=False):
     """Per-token logprobs and entropies, chunk_size rows at a time, so [N, V] fp32 logits never exist at once.
 
     Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed in
@@ -528,7 +549,7 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, 
     """
     logps, entropies = [], []
     for rows in (slice(start, start + chunk_size) for start in range(0, hidden.shape[0], chunk_size)):
-        args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p)
+        args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p, entropy_grad)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
         else:
@@ -538,6 +559,18 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, 
     if not logps:
         return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
     return torch.cat(logps), torch.cat(entropies)  # [N], [N]
+
+
+def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
+    """The q-quantile of the loss tokens' entropies in every rank's micro-batch, as TRL's get_high_entropy_mask."""
+    local = entropy.detach()[mask.bool()].float()  # [n]
+    if world > 1:  # pad every rank to the longest with -inf, gather, drop the padding
+        n = torch.tensor(local.numel(), device=local.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        everyone = [local.new_empty(int(n)) for _ in range(world)]
+        dist.all_gather(everyone, F.pad(local, (0, int(n) - local.numel()), value=-math.inf))
+        local = torch.cat(everyone)[torch.cat(everyone) > -math.inf]
+    return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
 def derive_seed(*parts) -> int:
@@ -755,7 +788,8 @@ def make_engine(cfg: Config, env, model_config):
                     "was disabled", "Model Runner V2 requires Triton", "torch.set_num_threads")
         for handler in logging.getLogger("vllm").handlers:
             handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
-    completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
+    completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp * \
+        math.ceil(cfg.dynamic_sampling_factor)  # (at most) the completions of one rollout
     kwargs = dict(
         model=cfg.model, dtype=env.dtype, seed=derive_seed(cfg.seed, "engine", env.engine_index),
         tensor_parallel_size=env.tp, distributed_executor_backend="external_launcher",
@@ -966,9 +1000,9 @@ class Policy(nn.Module):
     """HF causal LM -> per-token logprobs and entropies of the completion tokens of a packed micro-batch. This is the
     module DDP wraps (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
-        self.lm = lm
+        self.lm, self.entropy_grad = lm, entropy_grad  # entropy_grad: the entropy gets a gradient (--entropy_coef)
         # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
         self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
@@ -983,7 +1017,8 @@ class Policy(nn.Module):
                                        max_length_k=longest).last_hidden_state[0]  # [L, H]
         # the state at column j predicts the token at column j + 1; only completion tokens go through the lm_head
         lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
-                                   input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p)  # [n]
+                                   input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p,
+                                   self.entropy_grad)  # [n]
         # unpack: the ones of completion_mask in row-major order are the completion tokens in the packed order
         return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x) for x in (lp, ent))
 
@@ -1050,7 +1085,7 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
     FSDP2 (--fsdp): every rank holds 1/world of each parameter (fp32: the master copy, and AdamW's state beside
     it). Each decoder layer is gathered just before its forward and backward and freed after; gradients are
     reduce-scattered, so each rank keeps only its shard. Compute in env.dtype, gradient reduction in fp32."""
-    policy = Policy(lm)
+    policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
     if trainable and use_checkpointing(cfg, lm, env):  # keep each layer's input only; recompute it in backward
         for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
@@ -1107,10 +1142,13 @@ def load_reward_funcs(cfg: Config):
     return funcs, weights
 
 
-def score(funcs, rows, completions: list[str], G: int) -> torch.Tensor:
-    """Rewards [N, F]: every reward function on every completion; None (not applicable) counts as NaN."""
+def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
+    """Rewards [N, F]: every reward function on every completion (decoded here: the only use of text); None (not
+    applicable) counts as NaN. Besides the dataset's columns, functions get completion_ids and max_completion_length."""
+    completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     prompts = [row["prompt"] for row in rows for _ in range(G)]
     columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    columns.update(completion_ids=completion_ids, max_completion_length=max_completion_length)
     table = []
     for fn in funcs:
         values = fn(prompts, completions, **columns)
@@ -1173,9 +1211,17 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     completion_ids = [list(c.token_ids) for c in samples]
 
     with timed(ledger, "reward", env):
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        rewards_per_func = score(reward_funcs, rows, texts, G)  # [N, F]
+        rewards_per_func = score(reward_funcs, rows, completion_ids, G, tokenizer, cfg.max_completion_length)  # [N, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * reward_weights).sum(1)  # [N]
+
+    zero_std = torch.isclose(rewards.view(-1, G).std(1), torch.zeros(1))  # [P]: groups without a gradient
+    generated = torch.tensor([len(rows), float((~zero_std).sum()), float(sum(map(len, completion_ids)))])
+    if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's worth of groups, varied ones first
+        groups = select_groups(zero_std, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G)
+        idx = (groups[:, None] * G + torch.arange(G)).flatten().tolist()  # their completions
+        rows, samples = [rows[g] for g in groups.tolist()], [samples[i] for i in idx]
+        completion_ids = [completion_ids[i] for i in idx]
+        rewards_per_func, rewards, zero_std = rewards_per_func[idx], rewards[idx], zero_std[groups]
 
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
         everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
@@ -1191,21 +1237,29 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
+    if cfg.dynamic_sampling_factor > 1:  # zero-std groups that filled a short step stay out of the loss
+        loss_mask = loss_mask * (~zero_std).float().repeat_interleave(G).unsqueeze(1)
     vllm_logps = None
     if need_logprobs:
         vllm_logps = torch.zeros(completion_mask.shape)
         for i, c in enumerate(samples):
             vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
-    grouped = rewards.view(-1, G)
     return SimpleNamespace(
         prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
         advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
-        texts=list(zip([row["prompt"] for row in rows for _ in range(G)], texts)),  # (prompt, completion): the logs
+        texts=list(zip([row["prompt"] for row in rows for _ in range(G)], tokenizer.batch_decode(
+            completion_ids[:cfg.num_completions_to_print or None], skip_special_tokens=True)))
+        if cfg.log_completions else [],  # (prompt, completion) pairs for --log_completions
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
-               "zero_std": torch.isclose(grouped.std(1), torch.zeros(1)).float(),
+               "zero_std": zero_std.float(), "generated": generated,  # generated: groups, varied groups, tokens
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
                "prompt_tokens": sum(map(len, prompt_ids))},
     )
+
+
+def select_groups(zero_std, keep: int) -> torch.Tensor:
+    """DAPO dynamic sampling: `keep` group indices, varied ones first, then zero-std fillers. zero_std: [P] bool."""
+    return torch.argsort(zero_std.int(), stable=True)[:keep]  # False (varies) sorts first; stable keeps the order
 
 
 def plan_micro_batches(batch, cfg, env) -> list[range]:
@@ -1294,10 +1348,12 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
                     is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.completion_mask,
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
+                threshold = None if cfg.top_entropy_quantile == 1 else \
+                    entropy_quantile(entropy, mb.loss_mask, 1 - cfg.top_entropy_quantile, env.world)
                 loss, stats = grpo_loss(
                     logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
                     cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    num_items, is_weights)
+                    num_items, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
                 (loss * loss_scale).backward()
             tokens = mb.loss_mask.sum()
             add("loss", loss.detach() * loss_scale, 1.0)
@@ -1335,8 +1391,9 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
     """Greedy decoding on the held-out split; the mean of each reward function (accuracy_reward = accuracy)."""
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather inside generate
     outputs = generate(llm, env, [row["prompt_ids"] for row in mine], sampling_params(cfg, greedy=True))
-    texts = tokenizer.batch_decode([list(o.outputs[0].token_ids) for o in outputs], skip_special_tokens=True)
-    sums = score(reward_funcs, mine, texts, 1).nan_to_num(0.0).sum(0) if mine else torch.zeros(len(reward_funcs))
+    ids = [list(o.outputs[0].token_ids) for o in outputs]
+    sums = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length).nan_to_num(0.0).sum(0) if mine \
+        else torch.zeros(len(reward_funcs))
     totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
     dist.all_reduce(totals)
     means = (totals[:-1] / totals[-1]).tolist()
@@ -1431,6 +1488,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         "reward": s["rewards"].sum(), "reward_sq": (s["rewards"] ** 2).sum(), "n": float(len(s["rewards"])),
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
+        **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
         **{k: v for k, v in train_sums.items() if k not in ("grad_norm", "skipped", "canary_gap")},
@@ -1460,10 +1518,12 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     step_time = sum(ledger.values())
     m.update({f"time/{k}": v for k, v in ledger.items()})
     m["time/step"] = step_time
-    completion_tokens = t["len"]
-    m["tokens_per_sec_per_gpu"] = completion_tokens / env.world / step_time
+    m["tokens_per_sec_per_gpu"] = t["len"] / env.world / step_time
     if ledger.get("generate"):
-        m["generate_tokens_per_sec_per_gpu"] = completion_tokens / env.world / ledger["generate"]
+        m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
+    if cfg.dynamic_sampling_factor > 1:  # the share of generated groups whose rewards vary, and the extra cost
+        m.update({"dynamic_sampling/informative_fraction": t["varied_groups"] / t["generated_groups"],
+                  "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
     if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
         trained = t["prompt_tokens"] + t["len"]  # over the train phases
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
@@ -1544,6 +1604,7 @@ def train(cfg: Config, env, model_config, data):
     # ---- the engine first (it sizes its memory against an empty GPU), then asleep while the trainer loads ----
     G = cfg.num_generations
     prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
+    prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # generated for: dynamic sampling
     llm = make_engine(cfg, env, model_config)
     engine = SimpleNamespace(asleep=False, stale=True, info={},  # stale: forces the first push and parity check
                              auto_sleep=env.sleep and cfg.vllm_enable_sleep_mode == "auto")  # decided after step 1
@@ -1594,11 +1655,12 @@ def train(cfg: Config, env, model_config, data):
         + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
-           f"per process and step: {prompts_per_rank} prompts x G {G} = {prompts_per_rank * G} completions, in "
+           f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "
+           f"{prompts_per_rank * G} completions, in "
            f"packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens ({env.attention}) | global batch "
            f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
-           f"{min(prompts_per_rank * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
+           f"{min(prompts_drawn * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
            f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if gap_canary else 'probe'}"
            f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
@@ -1631,7 +1693,7 @@ def train(cfg: Config, env, model_config, data):
         step_start = time.perf_counter()
         if iteration == cfg.num_iterations:  # (a resumed run starts here too, even mid-way through a cycle)
             # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_per_rank, cfg.seed)
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
             if batch is None:
                 check_distinct_shards(positions, env)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this generation

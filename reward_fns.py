@@ -5,8 +5,9 @@ A reward function follows TRL's convention:
     f(prompts: list[str], completions: list[str], **columns) -> list[float]
 
 `prompts` and `completions` are decoded text, one entry per completion (a prompt appears G times in a row);
-`columns` holds every other dataset column (here `answer`), repeated the same way. Return one float per
-completion; None is allowed for "not applicable" and is treated as 0 by the trainer.
+`columns` holds every other dataset column (here `answer`), repeated the same way, and from the trainer
+`completion_ids` (the completions' token ids, as TRL passes them) and `max_completion_length` (the flag). Return one
+float per completion; None is allowed for "not applicable" and is treated as 0 by the trainer.
 
 Pass functions by name with `--reward_funcs accuracy_reward format_reward` (and `--reward_weights 1.0 0.5`),
 or your own as `--reward_funcs my_module:my_reward` (any importable module).
@@ -93,4 +94,18 @@ def accuracy_reward(prompts, completions, answer, **columns) -> list[float | Non
     return rewards
 
 
-REWARD_FUNCS = {f.__name__: f for f in (accuracy_reward, format_reward, reward_len)}
+OVERLONG_BUFFER = 0.2  # L_cache as a fraction of max_completion_length (DAPO: 4096 of 20480 tokens)
+
+
+def soft_overlong_punishment(prompts, completions, completion_ids, max_completion_length, **columns) -> list[float]:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; TRL's get_soft_overlong_punishment), in tokens:
+
+        0 while |y| <= L_max - L_cache,   (L_max - L_cache - |y|) / L_cache up to L_max (down to -1),   -1 beyond
+    with L_max = --max_completion_length and L_cache = OVERLONG_BUFFER * L_max. Add it to a task reward.
+    """
+    cache = max(1, round(OVERLONG_BUFFER * max_completion_length))
+    start = max_completion_length - cache
+    return [0.0 if len(ids) <= start else max(-1.0, (start - len(ids)) / cache) for ids in completion_ids]
+
+
+REWARD_FUNCS = {f.__name__: f for f in (accuracy_reward, format_reward, reward_len, soft_overlong_punishment)}

@@ -149,6 +149,52 @@ def test_grpo_loss_dr_grpo_needs_length():
         gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo")
 
 
+# GSPO: one ratio per sequence, exp of the mean masked log ratio. Row 0: mean(0.2, -0.5, 0) = -0.1, r = e^-0.1,
+# A = +1; row 1: mean(-0.5, 0.2) = -0.15 (the masked token ignored), r = e^-0.15 = 0.8607, A = -2.
+# With eps 0.05: row 0 -> -min(0.9048, 0.95) = -0.9048 (unclipped: A > 0); row 1 -> -min(-1.7214, -1.9) = 1.9,
+# clipped low: both of its tokens, so no gradient reaches row 1.
+SEQ_R0, SEQ_R1 = math.exp(-0.1), math.exp(-0.15)
+
+
+def test_grpo_loss_sequence_level_gspo():
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, "grpo", 0.05, 0.05, importance_sampling_level="sequence")
+    assert close(loss.detach(), (-SEQ_R0 + 1.9) / 2)  # per-sequence means: every token of a row has the same loss
+    assert close(stats["clip_ratio/low"], 2 / 5) and close(stats["clip_ratio/high"], 0.0)
+    loss.backward()  # d/dlogp_t of -r A / 2 (grpo: mean of 2 sequences) = -A r / n_tokens / 2, shared by the row
+    assert torch.allclose(logps.grad, torch.tensor([[-SEQ_R0 / 6] * 3, [0.0, 0.0, 0.0]]))
+    token, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", 0.05, 0.05)  # the token level differs
+    seq, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", 0.05, 0.05, importance_sampling_level="sequence")
+    assert close(seq, (-3 * SEQ_R0 + 2 * 1.9) / 5) and not close(token, seq)
+
+
+# entropies H of the 6 tokens (the masked one is 9.0) and a threshold of 1.0: e = [[0, 1, 1], [1, 0, .]]
+ENTROPY = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.1, 9.0]])
+
+
+def test_grpo_loss_top_entropy_tokens_only():
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_threshold=1.0)
+    assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5)  # the policy term of the 3 kept tokens; still / 5 tokens
+    assert close(stats["clip_ratio/low"], 0.2)  # the stats still count every token, as TRL's
+
+
+def test_grpo_loss_entropy_bonus():
+    entropy = ENTROPY.clone().requires_grad_(True)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=entropy, entropy_coef=0.1)
+    assert close(loss.detach(), (MASKED_SUM - 0.1 * (0.5 + 2.0 + 1.0 + 3.0 + 0.1)) / 5)  # normalised like the loss
+    loss.backward()
+    assert torch.allclose(entropy.grad, -0.1 * MASK / 5)  # a gradient that raises the entropy, masked tokens none
+    with_mask, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_coef=0.1, entropy_threshold=1.0)
+    assert close(with_mask, (ROW0[1] + ROW0[2] + ROW1[0] - 0.1 * (2.0 + 1.0 + 3.0)) / 5)  # on the kept tokens only
+
+
+def test_entropy_quantile_one_rank():
+    # the 5 loss tokens sorted: 0.1 0.5 1 2 3; the 0.6-quantile (top_entropy_quantile 0.4) at 0.6 * 4 = 2.4: 1.4
+    assert close(gc.entropy_quantile(ENTROPY, MASK, 0.6, world=1), 1.4)
+    assert close(gc.entropy_quantile(ENTROPY, MASK, 1.0, world=1), 3.0)  # top_entropy_quantile 0: the top token
+    assert gc.entropy_quantile(ENTROPY, torch.zeros_like(MASK), 0.5, world=1) == math.inf  # no tokens: none kept
+
+
 # ------------------------------------------------------------------------------------------------------------
 # vllm_importance_weights: trainer vs vLLM logprobs; masked positions do not count
 # ------------------------------------------------------------------------------------------------------------
@@ -192,6 +238,12 @@ def test_chunked_logprobs_match_full_softmax():
     (g1h, g1w) = torch.autograd.grad(lp.sum(), (hidden, weight))
     (g2h, g2w) = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
     assert torch.allclose(g1h, g2h, atol=1e-6) and torch.allclose(g1w, g2w, atol=1e-6)
+    assert not ent.requires_grad  # the entropy is only logged unless --entropy_coef needs its gradient
+    lp, ent = gc.chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=3, entropy_grad=True)
+    (g1h,) = torch.autograd.grad(ent.sum(), (hidden,))
+    ref = (hidden @ weight.T / 0.7).log_softmax(-1)  # a fresh graph: the first one was freed
+    (g2h,) = torch.autograd.grad(-(ref.exp() * ref).sum(), (hidden,))
+    assert torch.allclose(g1h, g2h, atol=1e-5)  # the chunk computes in fp32
 
 
 # top-k / top-p by hand. Row 0: p = [.15, .5, .05, .3], top_p 0.7: ascending cumulative mass .05, .2, .5, 1 -> drop
@@ -421,6 +473,10 @@ def test_parse_args_types_and_bools():
                          "false", "--top_k", "20"])
     assert cfg.beta == 0.04 and cfg.reward_weights == [1.0, 0.5] and cfg.top_k == 20
     assert cfg.mask_truncated_completions is True and cfg.vllm_importance_sampling_correction is False
+    cfg = gc.parse_args(["--importance_sampling_level", "sequence", "--top_entropy_quantile", "0.2",
+                         "--entropy_coef", "0.01", "--dynamic_sampling_factor", "1.5"])
+    assert (cfg.importance_sampling_level, cfg.top_entropy_quantile, cfg.entropy_coef,
+            cfg.dynamic_sampling_factor) == ("sequence", 0.2, 0.01, 1.5)
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -450,6 +506,11 @@ def test_parse_args_types_and_bools():
     (["--use_peft", "--lora_dropout", "1"], "--lora_dropout"),
     (["--report_to", "mlflow"], "--report_to"),
     (["--log_completions", "--num_completions_to_print", "-1"], "--num_completions_to_print"),
+    (["--importance_sampling_level", "seq"], "--importance_sampling_level"),
+    (["--top_entropy_quantile", "1.5"], "--top_entropy_quantile"),
+    (["--entropy_coef", "nan"], "--entropy_coef"),
+    (["--dynamic_sampling_factor", "0.5"], "--dynamic_sampling_factor"),
+    (["--dynamic_sampling_factor", "inf"], "--dynamic_sampling_factor"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -827,6 +888,27 @@ def test_lora_trains_adapters_only_and_pushes_merged_weights():
             assert torch.equal(p, base.get_parameter(n.removeprefix("base_model.model.").replace(".base_layer.", ".")))
 
 
+def test_train_step_entropy_terms_reach_the_policy():
+    """Zero advantages: no policy gradient. The entropy bonus alone still moves the weights (the entropy carries a
+    gradient through Policy only when entropy_coef != 0), also with top_entropy_quantile and sequence-level ratios."""
+    prompts, completions = [[1, 2], [3]], [[4, 5, 6], [7, 8]]
+    completion_mask = gc.completion_mask_of(completions)
+    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
+                            loss_mask=completion_mask.float(), advantages=torch.zeros(2), vllm_logps=None,
+                            old_logps=None, ref_logps=None)
+    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    norms = []
+    for flags in ({}, {"entropy_coef": 0.1}, {"entropy_coef": 0.1, "top_entropy_quantile": 0.5,
+                                                 "importance_sampling_level": "sequence"}):
+        cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                        loss_type="grpo", vllm_importance_sampling_correction=False, **flags)
+        policy = gc.wrap_policy(tiny_llama(), env, cfg)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        norms.append(gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})["grad_norm"])
+    assert norms[0] == 0.0 and norms[1] > 0 and norms[2] > 0 and norms[2] != norms[1]  # the quantile: fewer tokens
+
+
 def _save_twice_and_die(out, port):
     os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo")
@@ -916,10 +998,77 @@ def test_plot_curves(tmp_path, capsys, monkeypatch):
     assert "matplotlib is not installed" in capsys.readouterr().out
 
 
+def test_soft_overlong_punishment():
+    # L_max 20, L_cache 0.2 * 20 = 4: 0 up to 16 tokens, then -1/4 per token, -1 at 20 and beyond (TRL's doc
+    # example, L_max 100 and L_cache 20: 90 tokens -> -0.5)
+    ids = [[7] * n for n in (0, 16, 17, 18, 20, 25)]
+    assert rf.soft_overlong_punishment(None, None, ids, 20) == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert rf.soft_overlong_punishment(None, None, [[7] * 90], 100) == [-0.5]
+
+
+class CharTokenizer:  # ids are character codes: enough to test scoring without a real tokenizer
+    pad_token_id, eos_token_id = 0, 1
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return ["".join(map(chr, i)) for i in ids]
+
+
+def chars(*texts):
+    return [list(map(ord, t)) for t in texts]
+
+
 def test_score_passes_columns_and_repeats_per_group():
     rows = [{"prompt": "p0", "answer": "1", "prompt_ids": [0]}, {"prompt": "p1", "answer": "2", "prompt_ids": [1]}]
-    table = gc.score([rf.accuracy_reward, rf.format_reward], rows, ["1", "#### 1", "2", "x"], G=2)
-    assert table.tolist() == [[1.0, 0.0], [1.0, 1.0], [1.0, 0.0], [0.0, 0.0]]
+    funcs = [rf.accuracy_reward, rf.format_reward, rf.soft_overlong_punishment]
+    table = gc.score(funcs, rows, chars("1", "#### 1", "2", "xxxxx"), 2, CharTokenizer(), max_completion_length=5)
+    assert table.tolist() == [[1.0, 0.0, 0.0], [1.0, 1.0, -1.0], [1.0, 0.0, 0.0], [0.0, 0.0, -1.0]]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# DAPO dynamic sampling: the group selection, and a rollout (with a stand-in engine) where some prompts' rewards
+# are constant: those groups never reach the loss
+# ------------------------------------------------------------------------------------------------------------
+
+def test_select_groups_varied_first_then_fillers():
+    zero_std = torch.tensor([True, False, True, False, False])
+    assert gc.select_groups(zero_std, 2).tolist() == [1, 3]  # the first groups whose rewards vary
+    assert gc.select_groups(zero_std, 4).tolist() == [1, 3, 4, 0]  # too few vary: zero-std fillers, in order
+
+
+def constant_on_even_prompts(prompts, completions, **columns):  # prompt "k": reward len(completion) for odd k
+    return [1.0 if int(p) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
+
+
+def stand_in_rollout(monkeypatch, prompt_numbers, factor):
+    """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k: j + 1 tokens of
+    k), G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False)
+    rows = [{"prompt": str(k), "answer": "", "prompt_ids": [100 + k]} for k in prompt_numbers]
+
+    def generate(llm, env, prompt_ids, *args):
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[48 + ids[0] - 100] * (j + 1), finish_reason="stop")
+                                         for j in range(2)]) for ids in prompt_ids]
+    monkeypatch.setattr(gc, "generate", generate)
+    monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
+    env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, [constant_on_even_prompts], torch.ones(1), 0, {})
+
+
+def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
+    batch = stand_in_rollout(monkeypatch, [0, 1, 2, 3], factor=2)  # prompts 0 and 2 have constant rewards
+    assert batch.input_ids[:, 0].tolist() == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
+    assert batch.stats["zero_std"].tolist() == [0.0, 0.0] and batch.loss_mask.sum() == 6  # 1 + 2 tokens each
+    assert batch.stats["generated"].tolist() == [4, 2, 12]  # groups, varied groups, completion tokens
+    off = stand_in_rollout(monkeypatch, [0, 1], factor=1)  # off: zero-std groups are trained on, as plain GRPO does
+    assert off.stats["zero_std"].tolist() == [1.0, 0.0] and off.loss_mask.sum() == 6
+
+
+def test_dynamic_sampling_tops_up_with_masked_zero_std_groups(monkeypatch):
+    batch = stand_in_rollout(monkeypatch, [0, 1, 2, 4], factor=2)  # only prompt 1 varies: one filler group, masked out
+    assert batch.input_ids[:, 0].tolist() == [101, 101, 100, 100]
+    assert batch.stats["zero_std"].tolist() == [0.0, 1.0]
+    assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]  # the filler never reaches the loss
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -943,7 +1092,11 @@ def _tp_worker(rank, world, port, results):
         return [f"out({r})" for r in requests]
     # str hashes are salted per process: fingerprint with a stable hash (the trainer hashes ints, which are not)
     got = gc.tp_generate(engine, mine, tp_group, 2, fingerprint=lambda outs: zlib.crc32(repr(outs).encode()))
-    results[rank] = (mine, got, seen[0])
+    # top_entropy_quantile's threshold spans every rank's micro-batch: rank r holds r + 1 tokens of entropy
+    # 10 r + 1 .. 10 r + r + 1 (and one masked token of 99), so all ranks see 1, 11, 12, 21, 22, 23, 31, .., 34
+    entropy = torch.tensor([[10.0 * rank + i + 1 for i in range(rank + 1)] + [99.0]])
+    mask = torch.tensor([[1.0] * (rank + 1) + [0.0]])
+    results[rank] = (mine, got, seen[0], gc.entropy_quantile(entropy, mask, 0.5, world).item())
     dist.destroy_process_group()
 
 
@@ -951,7 +1104,8 @@ def test_tp_gather_slice_four_ranks():
     results = mp.Manager().dict()
     mp.spawn(_tp_worker, args=(4, free_port(), results), nprocs=4, join=True)
     for rank in range(4):
-        mine, got, seen = results[rank]
+        mine, got, seen, threshold = results[rank]
+        assert threshold == 22.5  # the median of the 10 tokens of all ranks, the same on every rank
         assert got == [f"out({p})" for p in mine]  # exactly the completions of its own prompts
         partner = rank ^ 1
         assert seen == results[partner][2]  # both ranks of the group submitted identical requests
@@ -1150,6 +1304,7 @@ REQUIRED_KEYS = [
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
 LEARNS = ["--reward_funcs", "accuracy_reward", "format_reward", "reward_len", "--reward_weights", "1", "1", "0.01"]
+DYNAMIC = ["--dynamic_sampling_factor", "2"]  # the LoRA run: 2 prompts generated per rank, 1 trained
 
 
 def run_trainer(args, nproc=2, timeout=900, check=True, **env_extra):
@@ -1254,7 +1409,9 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     1 MB push bucket (every rank gathers full tensors for the shared engine), a local dataset with other column
     names, beta > 0 (a sharded reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards,
     token-level truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule,
-    fixed-length generations, --verbose."""
+    fixed-length generations, --verbose,
+    GSPO sequence-level ratios (with a tiny epsilon, so that step 2's ratios get clipped), the entropy bonus and
+    top_entropy_quantile (its threshold gathered over 2 ranks), the soft overlong punishment as a third reward."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(MODEL)
@@ -1274,8 +1431,10 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--max_prompt_length", "64", "--max_completion_length", "16", "--ignore_eos", "--max_tokens_per_microbatch", "90",
         "--max_steps", "2", "--num_iterations", "2", "--beta", "0.05", "--loss_type", "grpo",
         "--scale_rewards", "batch", "--vllm_importance_sampling_mode", "token_truncate",
-        "--mask_truncated_completions", "false", "--epsilon_high", "0.28",
-        "--reward_funcs", "reward_len", "format_reward", "--reward_weights", "0.1", "1.0",
+        "--mask_truncated_completions", "false", "--epsilon", "1e-4", "--epsilon_high", "0.28",
+        "--importance_sampling_level", "sequence", "--entropy_coef", "0.01", "--top_entropy_quantile", "0.5",
+        "--reward_funcs", "reward_len", "format_reward", "soft_overlong_punishment",
+        "--reward_weights", "0.1", "1.0", "1.0",
         "--temperature", "0.9", "--top_p", "0.9", "--top_k", "50", "--lr_scheduler_type", "cosine",
         "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
@@ -1292,6 +1451,10 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     assert r["logprob_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
+    assert r["rewards/soft_overlong_punishment"] == -1.0  # every completion has max_completion_length tokens
+    # sequence level: a sequence is clipped whole, so of the 16 x 16 tokens a multiple of 16 are (token level: 118)
+    clipped = r["clip_ratio/low"] * 16 * 16
+    assert clipped > 0 and abs(clipped - 16 * round(clipped / 16)) < 1e-6, clipped
     assert "eval/reward_len" in records[0] and "eval/reward_len" in r
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
 
@@ -1528,7 +1691,7 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
 def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
     parity check after every push of merged weights, adapter checkpoints; TensorBoard, logged completions and the
-    curves. Then resume from checkpoint-1 under DDP: the same step 2."""
+    curves; DAPO dynamic sampling. Then resume from checkpoint-1 under DDP: the same step 2."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1541,11 +1704,18 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
              "--lora_target_modules", "all-linear", "--beta", "0.1", "--num_generations", "4",
              "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_prompt_length", "96",
              "--max_completion_length", "12", "--reward_funcs", "reward_len", "--learning_rate", "1e-2",
-             "--num_eval", "4", "--eval_steps", "0", "--max_steps", "2"]
+             "--num_eval", "4", "--eval_steps", "0", "--max_steps", "2", *DYNAMIC]
     out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
     proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--report_to", "tensorboard", "--log_completions",
                         "--num_completions_to_print", "3", "--output_dir", out])
-    assert "trainer FSDP2 + LoRA r 8" in proc.stdout
+    assert "trainer FSDP2 + LoRA r 8" in proc.stdout and "1 prompts (of 2 generated)" in proc.stdout
+    for r in read_metrics(out):  # dynamic sampling: twice the prompts generated; the share of groups that vary
+        if "reward" in r:
+            assert r["dynamic_sampling/generated_per_trained_token"] > 1
+            varied = r["dynamic_sampling/informative_fraction"] * 4  # of the 2 ranks x 2 groups generated
+            trained_varied = (1 - r["frac_reward_zero_std"]) * 2  # of the 2 x 1 groups trained
+            # each rank trains on one of its own varied groups before any zero-std filler
+            assert min(varied, 1) - 1e-6 <= trained_varied <= min(varied, 2) + 1e-6, (varied, trained_varied)
     assert f"curves: {out}/curves.png" in proc.stdout and os.path.isfile(os.path.join(out, "curves.png"))
     steps = [r for r in read_metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
