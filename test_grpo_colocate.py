@@ -1052,12 +1052,13 @@ def stand_in_rollout(monkeypatch, prompt_numbers, factor):
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
     env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
-    return gc.rollout(None, cfg, env, CharTokenizer(), rows, [constant_on_even_prompts], torch.ones(1), 0, {})
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), [constant_on_even_prompts], torch.ones(1),
+                      {})
 
 
 def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 1, 2, 3], factor=2)  # prompts 0 and 2 have constant rewards
-    assert batch.input_ids[:, 0].tolist() == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
+    assert [p[0] for p in batch.prompt_ids] == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
     assert batch.stats["zero_std"].tolist() == [0.0, 0.0] and batch.loss_mask.sum() == 6  # 1 + 2 tokens each
     assert batch.stats["generated"].tolist() == [4, 2, 12]  # groups, varied groups, completion tokens
     off = stand_in_rollout(monkeypatch, [0, 1], factor=1)  # off: zero-std groups are trained on, as plain GRPO does
@@ -1066,7 +1067,7 @@ def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
 
 def test_dynamic_sampling_tops_up_with_masked_zero_std_groups(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 1, 2, 4], factor=2)  # only prompt 1 varies: one filler group, masked out
-    assert batch.input_ids[:, 0].tolist() == [101, 101, 100, 100]
+    assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]
     assert batch.stats["zero_std"].tolist() == [0.0, 1.0]
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]  # the filler never reaches the loss
 
