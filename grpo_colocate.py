@@ -22,13 +22,12 @@ One step (one optimizer update; see "the step" near the end):
     push       wake the engine's weights (if asleep), copy the trained weights in, wake its KV cache
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
-Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the scheduler and the data position (the
-prompts all ranks have drawn). The data is one stream, epoch after epoch of rows shuffled by --seed; each
-generation takes the next slice of it, rank r the r-th part, and completion j of the prompt at position i is sampled
-with its own seed (from --seed, i and j). So a resumed run continues at the same position whatever its number of
-GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
-GPU (on another number of GPUs, GPU kernels may round a bigger or smaller batch differently: rare tokens can
-differ). A checkpoint taken mid-way through a num_iterations cycle resumes with a fresh generation.
+Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the scheduler and the data position. The
+data is one stream (epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
+prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same position whatever
+its GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
+GPU (bf16 kernels on another GPU count may round rare tokens differently); a mid-cycle checkpoint starts a fresh
+generation.
 
 What is implemented, honestly:
     GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
@@ -254,23 +253,25 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(tp >= 1 and world_size % tp == 0, "vllm_tensor_parallel_size",
          f"{tp} does not divide the world size {world_size}; use a divisor of the number of processes")
     need(G >= 2, "num_generations", f"is {G}; group-relative advantages need at least 2 completions per prompt")
-    need(cfg.per_device_train_batch_size >= 1, "per_device_train_batch_size", "must be >= 1")
-    need(cfg.gradient_accumulation_steps >= 1, "gradient_accumulation_steps", "must be >= 1")
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length", "num_eval",
+                 "max_completion_length", "num_iterations", "weight_push_bucket_mb", "logging_steps", "max_steps"):
+        need(getattr(cfg, flag) >= 1, flag, f"is {getattr(cfg, flag)}; it must be >= 1")
+    choices = {"lr_scheduler_type": ("constant", "linear", "cosine"), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
+               "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
+               "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+               "vllm_enable_sleep_mode": ("auto", "true", "false"), "gradient_checkpointing": ("auto", "true", "false"),
+               "vllm_sleep_level": (1, 2), "dtype": ("auto", "bfloat16", "float32"),
+               "report_to": ("none", "tensorboard", "wandb")}
+    for flag, allowed in choices.items():
+        need(getattr(cfg, flag) in allowed, flag, f"is {getattr(cfg, flag)!r}; use {' | '.join(map(str, allowed))}")
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
     need(per_rank % G == 0, "per_device_train_batch_size",
          f"x gradient_accumulation_steps = {per_rank} completions per process is not a multiple of "
          f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
-    need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
-    need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
     need(cfg.max_tokens_per_microbatch >= cfg.max_prompt_length + cfg.max_completion_length,
          "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it")
-    need(cfg.gradient_checkpointing in ("auto", "true", "false"), "gradient_checkpointing", "use auto, true or false")
-    need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
-    need(cfg.max_steps >= 1, "max_steps", f"is {cfg.max_steps}; train for at least 1 step")
     need(math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0, "learning_rate",
          f"is {cfg.learning_rate}; use a finite positive value such as 1e-6")
-    need(cfg.lr_scheduler_type in ("constant", "linear", "cosine"), "lr_scheduler_type",
-         f"unknown {cfg.lr_scheduler_type!r}; use constant, linear or cosine")
     need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 turns clipping off)")
@@ -278,15 +279,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(0 < cfg.epsilon < 1, "epsilon", f"is {cfg.epsilon}; use a value in (0, 1) such as 0.2")
     need(cfg.epsilon_high == 0 or cfg.epsilon_high >= cfg.epsilon, "epsilon_high",
          f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
-    need(cfg.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"), "loss_type",
-         f"unknown {cfg.loss_type!r}; use grpo, bnpo, dr_grpo or dapo")
-    need(cfg.scale_rewards in ("group", "batch", "none"), "scale_rewards",
-         f"unknown {cfg.scale_rewards!r}; use group, batch or none")
-    modes = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-    need(cfg.vllm_importance_sampling_mode in modes, "vllm_importance_sampling_mode",
-         f"unknown {cfg.vllm_importance_sampling_mode!r}; use one of {', '.join(modes)}")
     need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
-    need(cfg.importance_sampling_level in ("token", "sequence"), "importance_sampling_level", "use token or sequence")
     need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
     need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
     need(1 <= cfg.dynamic_sampling_factor < math.inf, "dynamic_sampling_factor", "must be >= 1 (1: off), e.g. 2")
@@ -303,12 +296,8 @@ def check_config(cfg: Config, world_size: int) -> None:
          "with --ignore_eos every completion runs to max_completion_length and all would be masked; drop one")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization",
          f"is {cfg.vllm_gpu_memory_utilization}; use a fraction in (0, 1], e.g. 0.3")
-    need(cfg.vllm_enable_sleep_mode in ("auto", "true", "false"), "vllm_enable_sleep_mode", "use auto, true or false")
     need(cfg.vllm_enable_sleep_mode != "true" or torch.cuda.is_available(), "vllm_enable_sleep_mode",
          "sleep mode needs CUDA and this machine has no GPU; use auto or false")
-    need(cfg.vllm_sleep_level in (1, 2), "vllm_sleep_level", "use 1 or 2")
-    need(cfg.dtype in ("auto", "bfloat16", "float32"), "dtype", "use auto, bfloat16 or float32")
-    need(cfg.weight_push_bucket_mb >= 1, "weight_push_bucket_mb", "must be >= 1")
     need(not cfg.fsdp_cpu_offload or cfg.fsdp, "fsdp_cpu_offload", "offloads FSDP2 shards; add --fsdp")
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
@@ -317,11 +306,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
     need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
          "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
-    need(cfg.report_to == "none" or cfg.report_to in ("tensorboard", "wandb") and importlib.util.find_spec(
-        cfg.report_to), "report_to", f"{cfg.report_to!r}: use none, or tensorboard or wandb once installed (pip)")
+    need(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to", "is not installed: pip it")
     need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
-    need(cfg.num_eval >= 1, "num_eval", "must be >= 1")
-    need(cfg.logging_steps >= 1, "logging_steps", "must be >= 1")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
@@ -1507,7 +1493,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
         "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
         "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
-        "loss": t["loss"] / env.world,  # each rank's loss carries the 1/world that DDP's averaging undoes
+        "loss": t["loss"] / env.world,  # each rank logged its loss x world (see train_step): the sum / world
         "entropy": t["entropy"] / ctoks, "grad_norm": train_sums["grad_norm"],
         **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl") if k in t},
     }
@@ -1516,9 +1502,8 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
                   "is_weight/masked": t["is_masked"] / ctoks})
     m.update({**sync_info, **{k: train_sums[k] for k in ["canary_gap"] if k in train_sums}})  # a max over ranks
     step_time = sum(ledger.values())
-    m.update({f"time/{k}": v for k, v in ledger.items()})
-    m["time/step"] = step_time
-    m["tokens_per_sec_per_gpu"] = t["len"] / env.world / step_time
+    m.update({**{f"time/{k}": v for k, v in ledger.items()}, "time/step": step_time,
+              "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
     if cfg.dynamic_sampling_factor > 1:  # the share of generated groups whose rewards vary, and the extra cost
@@ -1527,9 +1512,8 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
     if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
         trained = t["prompt_tokens"] + t["len"]  # over the train phases
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
-    if env.device.type == "cuda":
-        m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)  # the trainer's (+ the engine's pool)
-        m["memory/device_used_gib"] = memory.get("device_used", 0.0)  # trainer + engine, seen by the driver
+    if env.device.type == "cuda":  # the trainer's peak (+ the engine's pool); trainer + engine, seen by the driver
+        m.update({f"memory/{k}_gib": memory.get(k, 0.0) for k in ("peak_allocated", "device_used")})
     return m
 
 
@@ -1573,14 +1557,9 @@ def log_line(step, max_steps, m) -> str:
     parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
              f"len {m['completion_length/mean']:.0f} clip {m['completion_clipped_ratio']:.2f}",
              f"loss {m['loss']:+.4f}", f"ent {m['entropy']:.2f}"]
-    if "kl" in m:
-        parts.append(f"kl {m['kl']:.4f}")
-    if "logprob_gap" in m:
-        parts.append(f"gap {m['logprob_gap']:.4f}")
+    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "gap")) if key in m]
     ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
-    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
-    if "mfu" in m:
-        parts.append(f"mfu {100 * m['mfu']:.0f}%")
+    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"] + [f"mfu {100 * v:.0f}%" for v in [m.get("mfu")] if v]
     return " | ".join(parts)
 
 
@@ -1656,17 +1635,15 @@ def train(cfg: Config, env, model_config, data):
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "
-           f"{prompts_per_rank * G} completions, in "
-           f"packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens ({env.attention}) | global batch "
+           f"{prompts_per_rank * G} completions, in packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens "
+           f"({env.attention}) | global batch "
            f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
            f"{min(prompts_drawn * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
            f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if gap_canary else 'probe'}"
            f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
-    metrics_path = os.path.join(cfg.output_dir, "metrics.jsonl")
-
-    tracker = make_tracker(cfg) if env.is_main else None
+    metrics_path, tracker = os.path.join(cfg.output_dir, "metrics.jsonl"), make_tracker(cfg) if env.is_main else None
 
     def write_metrics(record):
         if env.is_main:
