@@ -306,7 +306,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
     need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
          "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
-    need(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to", "is not installed: pip it")
+    need(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to",
+         f"{cfg.report_to!r} is not installed; pip install it, or use none")
     need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
@@ -1587,8 +1588,7 @@ def train(cfg: Config, env, model_config, data):
     llm = make_engine(cfg, env, model_config)
     engine = SimpleNamespace(asleep=False, stale=True, info={},  # stale: forces the first push and parity check
                              auto_sleep=env.sleep and cfg.vllm_enable_sleep_mode == "auto")  # decided after step 1
-    # the canary: where vLLM returns sampled-token logprobs (IS correction on), train_step checks their gap to the
-    # trainer's for free (healthy bf16: 0.006-0.037), else the probe runs after every push
+    # the canary: with vLLM's sampled-token logprobs (IS on) train_step checks their gap for free; else the probe
     gap_canary = cfg.vllm_importance_sampling_correction
 
     def rest_engine(ledger):
