@@ -1742,7 +1742,7 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     run_trainer([*flags, "--save_steps", "-1", "--output_dir", resumed, "--resume_from_checkpoint", ckpt1])
     want, got = steps[1], [r for r in read_metrics(resumed) if r["step"] == 2][0]
     assert got["reward"] == want["reward"] and got["completion_length/mean"] == want["completion_length/mean"]
-    for key in ("loss", "kl", "grad_norm", "parity_gap", "entropy"):
+    for key in ("loss", "kl", "grad_norm", "canary_gap", "entropy"):
         assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
 
 
