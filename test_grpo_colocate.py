@@ -1561,7 +1561,7 @@ _generate = vllm.LLM.generate
 
 def _recording_generate(self, prompts, sampling_params=None, **kwargs):
     outputs = _generate(self, prompts, sampling_params, **kwargs)
-    first = sampling_params[0] if isinstance(sampling_params, list) else sampling_params  # (per-request seeds)
+    first = sampling_params[0] if isinstance(sampling_params, list) and sampling_params else sampling_params
     if getattr(first, "n", 1) > 1:  # a training rollout (the eval is greedy: n = 1)
         with open(os.path.join(DUMP, f"generate-{RANK}.jsonl"), "a") as f:
             f.write(json.dumps([[list(c.token_ids) for c in out.outputs] for out in outputs]) + "\n")
