@@ -170,8 +170,8 @@ def sleep_bench(out, argv):
     report["parity_gap_level2_wake_without_push"] = gap
     report["skipped_push_caught"] = not gap <= gc.parity_tolerance(env.dtype)
     try:  # the canary of every step: a rollout from the stale engine, scored by train_step before its update
-        stale = gc.rollout(llm, cfg, env, tokenizer, gc.rows_for_step(rows, 1, 0, 1, per_rank, cfg.seed), funcs,
-                           weights, 1, ledger)
+        stale = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, per_rank, 0, per_rank, cfg.seed)[::-1],
+                           funcs, weights, ledger)
         report["sampled_gap_stale_missed"] = gc.train_step(policy, optimizer, scheduler, stale, cfg, env, ledger,
                                                            1)["canary_gap"]
     except RuntimeError as e:  # expected: "step 1: vLLM and the trainer disagree on the tokens vLLM sampled ..."
