@@ -1195,7 +1195,7 @@ def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tmp_path):
 
 
 PACKING = '''
-import json, sys, torch
+import json, os, sys, torch
 HERE, MODEL, OUT = sys.argv[1:4]
 sys.path.insert(0, HERE)
 import grpo_colocate as gc
@@ -1259,8 +1259,9 @@ for loss_type in ("grpo", "dr_grpo", "dapo"):
         result[f"{loss_type}/{name}"] = {"diff": diff, "counts": counts,
                                          "ran": len(gc.plan_micro_batches(batch, cfg, env))}
 if env.rank == 0:
-    print("RESULT", json.dumps(result))
+    print("RESULT", json.dumps(result), flush=True)
 torch.distributed.destroy_process_group()
+os._exit(0)  # skip interpreter teardown: the DDP wrappers left alive could abort it ("terminate called ...")
 '''
 
 
