@@ -54,6 +54,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import logging
 import math
@@ -126,8 +127,8 @@ class Config:
     per_device_train_batch_size: int = arg(16, "x gradient_accumulation_steps = completions per process and step "
                                            "(TRL's generation batch); --max_tokens_per_microbatch cuts micro-batches")
     gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size; one generation feeds one step")
-    max_tokens_per_microbatch: int = arg(8192, "token budget (prompt + completion) of one packed, padding-free "
-                                         "micro-batch: bounds the trainer's activation memory")
+    max_tokens_per_microbatch: int = arg(0, "token budget (prompt + completion) of one packed, padding-free micro-"
+                                         "batch: bounds activation memory; 0: auto, what fits the GPU (CPU: 8192)")
     max_prompt_length: int = arg(256, "prompts with more tokens are dropped at load time (counted and logged)")
     max_completion_length: int = arg(256, "max new tokens per completion")
     num_iterations: int = arg(1, "mu: optimizer steps per generation batch (> 1 reuses it against frozen old logps)")
@@ -268,8 +269,9 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(per_rank % G == 0, "per_device_train_batch_size",
          f"x gradient_accumulation_steps = {per_rank} completions per process is not a multiple of "
          f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
-    need(cfg.max_tokens_per_microbatch >= cfg.max_prompt_length + cfg.max_completion_length,
-         "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it")
+    need(cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= cfg.max_prompt_length +
+         cfg.max_completion_length,
+         "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it (or 0: auto)")
     need(math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0, "learning_rate",
          f"is {cfg.learning_rate}; use a finite positive value such as 1e-6")
     need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
@@ -527,6 +529,11 @@ def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1
     return logps, entropy
 
 
+# CUDA runs the chunk compiled: torch.compile fuses the fp32 upcast, log-sum-exp, gather and entropy into a few
+# kernels that never write an fp32 [N, V] copy: 2.4-2.9x faster at the same numbers (BENCHMARKS.md, section 0).
+_compiled_logprobs_and_entropy = torch.compile(_logprobs_and_entropy, dynamic=True)
+
+
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
                      entropy_grad=False):
     """Per-token logprobs and entropies, chunk_size rows at a time, so [N, V] fp32 logits never exist at once.
@@ -534,13 +541,14 @@ def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, 
     Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed in
     backward (one extra lm_head matmul) instead of storing N x V floats. hidden: [N, H], targets: [N].
     """
+    chunk = _compiled_logprobs_and_entropy if hidden.is_cuda else _logprobs_and_entropy  # CPU: eager, no compiler
     logps, entropies = [], []
     for rows in (slice(start, start + chunk_size) for start in range(0, hidden.shape[0], chunk_size)):
         args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p, entropy_grad)
         if torch.is_grad_enabled():
-            lp, ent = checkpoint(_logprobs_and_entropy, *args, use_reentrant=False)
+            lp, ent = checkpoint(chunk, *args, use_reentrant=False)
         else:
-            lp, ent = _logprobs_and_entropy(*args)
+            lp, ent = chunk(*args)
         logps.append(lp)
         entropies.append(ent)
     if not logps:
@@ -910,7 +918,7 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
     out = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0,
                                                                          detokenize=False), use_tqdm=False)[0]
     vllm_lp = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0])
-    packed = [x.to(env.device) for x in pack([probe_ids[:1]], [probe_ids[1:]])]  # every token after the first
+    packed = pack([probe_ids[:1]], [probe_ids[1:]], env.device)  # every token after the first
     with torch.no_grad(), autocast(env):
         trainer_lp, _ = policy(*packed, completion_mask_of([probe_ids[1:]]).to(env.device), 1.0)
     reshard(policy)
@@ -993,12 +1001,10 @@ class Policy(nn.Module):
         # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
         self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
-    def forward(self, input_ids, position_ids, completion_index, completion_mask, temperature, top_k=0, top_p=1.0):
-        """input_ids, position_ids, completion_index: B sequences packed by pack; completion_mask: [B, T] (n ones).
-        Returns logps (top-k/top-p: over the kept set), entropy: [B, T] (0 off the mask), unpacked to [B, T]."""
-        starts = (position_ids[0] == 0).nonzero()[:, 0]  # where each sequence begins
-        cu_seqlens = torch.cat([starts, starts.new_tensor([position_ids.shape[1]])]).int()  # [B + 1]
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, completion_mask, temperature,
+                top_k=0, top_p=1.0):
+        """The first five: B sequences packed by pack; completion_mask: [B, T] (n ones). Returns logps (top-k/top-p:
+        over the kept set), entropy: [B, T] (0 off the mask), unpacked to [B, T]."""
         hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                        cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest,
                                        max_length_k=longest).last_hidden_state[0]  # [L, H]
@@ -1028,14 +1034,15 @@ def autocast(env):
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
                      **kwargs):
     """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
-    kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from Policy.forward)."""
+    kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from pack). Grouped-query
+    attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    repeat = query.shape[1] // key.shape[1]  # grouped-query attention: each KV head serves `repeat` query heads
-    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, heads, D]
-               for x in (query, key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)))
+    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, (kv_)heads, D]
+               for x in (query, key, value))
+    gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}  # torch >= 2.12
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                      window_size=(-1, 0))  # (-1, 0): causal
+                      window_size=(-1, 0), **gqa)  # (-1, 0): causal
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
 
 
@@ -1073,7 +1080,7 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
     it). Each decoder layer is gathered just before its forward and backward and freed after; gradients are
     reduce-scattered, so each rank keeps only its shard. Compute in env.dtype, gradient reduction in fp32."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    if trainable and use_checkpointing(cfg, lm, env):  # keep each layer's input only; recompute it in backward
+    if trainable and cfg.gradient_checkpointing == "true":  # keep each layer's input; recompute the rest in backward
         for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves one layer at a time to the GPU and shards it
@@ -1088,16 +1095,24 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
                gradient_as_bucket_view=True)
 
 
-def use_checkpointing(cfg: Config, lm: nn.Module, env) -> bool:
-    """--gradient_checkpointing auto: on when the peak per rank would pass 85% of the GPU: 16 bytes per parameter and
-    shard (fp32 weights, grads, AdamW m, v; + 2: a bf16 reference) + 120 x hidden x layers per budget token (measured
-    at 1.5B: 9,664 packed tokens took 46 GiB of activations). 1.5B at 8192 tokens: 25 + 42 GB, off on 80 GB."""
-    if cfg.gradient_checkpointing != "auto" or env.device.type != "cuda":
-        return cfg.gradient_checkpointing == "true"
+def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool]:
+    """(token budget, activation checkpointing): the auto values of --max_tokens_per_microbatch and
+    --gradient_checkpointing, from an estimate of the peak per rank: 16 bytes per parameter and shard (fp32 weights,
+    grads, AdamW m, v; + 2: a bf16 reference), and per budget token 120 x hidden x layers bytes of activations
+    (measured at 1.5B: 9,664 packed tokens took 46 GiB), or 4 x hidden x layers + 120 x hidden with checkpointing
+    (each layer's input; one layer's activations). Room: 85% of the GPU, less the engine's share when it stays awake.
+    auto checkpointing: on when fewer than 4,096 tokens would fit without it. The CPU: 8192, no checkpointing."""
+    budget, flag = cfg.max_tokens_per_microbatch, cfg.gradient_checkpointing
+    if env.device.type != "cuda":
+        return budget or 8192, flag == "true"
     per_param = 0 if cfg.fsdp_cpu_offload else (16 + 2 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
-    need = per_param * sum(p.numel() for p in lm.parameters()) + 120 * lm.config.hidden_size * \
-        lm.config.num_hidden_layers * cfg.max_tokens_per_microbatch
-    return need > 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes)
+    room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes) - \
+        per_param * sum(p.numel() for p in lm.parameters())
+    hidden, layers = lm.config.hidden_size, lm.config.num_hidden_layers
+    plain, checkpointed = 120 * hidden * layers, 4 * hidden * layers + 120 * hidden  # bytes per token
+    checkpointing = flag == "true" or flag == "auto" and (budget * plain > room if budget else room < 4096 * plain)
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    return budget or max(longest, int(room // (checkpointed if checkpointing else plain))), checkpointing
 
 
 def lr_lambda(cfg: Config):
@@ -1152,16 +1167,21 @@ def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
     return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]]):
-    """Sequences (prompt + completion) concatenated into ONE row, no padding: input_ids, position_ids [1, L], the
-    position ids restarting at 0 at each sequence (so RoPE and the attention kernel know where a sequence begins);
-    completion_index [n]: the column of every completion token, sequence by sequence."""
-    ids, positions, index = [], [], []
+def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu"):
+    """Sequences (prompt + completion) concatenated into ONE row, no padding: Policy's first five inputs, on device.
+    input_ids, position_ids [1, L], the position ids restarting at 0 at each sequence (for RoPE); cu_seqlens [B + 1]
+    (int32: where each sequence starts, then L) and the longest sequence's length, for the varlen attention kernel
+    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion token, in order."""
+    ids, positions, starts, index = [], [], [], []
     for p, c in zip(prompts, completions):
+        starts.append(len(ids))
         index += range(len(ids) + len(p), len(ids) + len(p) + len(c))
         ids += p + c
         positions += range(len(p) + len(c))
-    return torch.tensor([ids]), torch.tensor([positions]), torch.tensor(index, dtype=torch.long)
+    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return (torch.tensor([ids], device=device), torch.tensor([positions], device=device), cu_seqlens.to(device),
+            longest, torch.tensor(index, dtype=torch.long, device=device))
 
 
 def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list[range]:
@@ -1267,7 +1287,7 @@ def micro_batch(batch, rows: range, device):
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[rows, :T].to(device)
     return SimpleNamespace(
-        packed=[x.to(device) for x in pack(batch.prompt_ids[rows], batch.completion_ids[rows])],  # Policy's inputs
+        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device),  # Policy's first inputs
         completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
         advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
@@ -1315,17 +1335,19 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
     if env.world > 1:
         dist.all_reduce(count)
     num_items, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
-    sums = {}  # token-weighted sums of the per-micro-batch stats, for logging
+    sums = {}  # token-weighted sums of the per-micro-batch stats, for logging: tensors until the step ends (a
+    # float() per stat and micro-batch would stall the GPU each time while the host catches up)
 
-    def add(name, value, weight):
-        sums[name] = sums.get(name, 0.0) + float(value) * float(weight)
+    def add(name, value, weight=1.0):
+        sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
 
     with timed(ledger, "train", env):
-        for i, rows in enumerate(plan):
-            mb = micro_batch(batch, rows, env.device)
+        micro_batches = [micro_batch(batch, rows, env.device) for rows in plan]  # host work and copies, all first:
+        for i, mb in enumerate(micro_batches):  # then the GPU runs the micro-batches back to back, never waiting
             # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
             # unsharded gradients across micro-batches would cost a full model's worth of memory.
-            sync = nullcontext() if (i == len(plan) - 1 or not isinstance(policy, DDP)) else policy.no_sync()
+            last = i == len(micro_batches) - 1
+            sync = nullcontext() if last or not isinstance(policy, DDP) else policy.no_sync()
             with sync:
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
@@ -1343,18 +1365,19 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
                     num_items, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
                 (loss * loss_scale).backward()
             tokens = mb.loss_mask.sum()
-            add("loss", loss.detach() * loss_scale, 1.0)
+            add("loss", loss * loss_scale)
             for k, v in stats.items():
                 add(k, v, tokens)
-            add("entropy", (entropy.detach() * mb.completion_mask).sum(), 1.0)
+            add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
                 m = mb.completion_mask
-                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).sum(), 1.0)
+                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).sum())
                 w = is_weights if is_weights.shape[1] > 1 else is_weights.expand_as(m)
-                add("is_weight", (w * m).sum(), 1.0)
-                add("is_masked", ((w == 0).float() * m).sum(), 1.0)
-            add("tokens", tokens, 1.0)
-            add("completion_tokens", mb.completion_mask.sum(), 1.0)
+                add("is_weight", (w * m).sum())
+                add("is_masked", ((w == 0).float() * m).sum())
+            add("tokens", tokens)
+            add("completion_tokens", mb.completion_mask.sum())
+    sums = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
     if canary_step is not None:  # the canary (see train()), before the update: a stale engine's rollout never trains
         gap = sums["logprob_gap"] / sums["completion_tokens"]  # NaN: the trainer's own non-finite step, skipped below
         sums["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
@@ -1619,6 +1642,8 @@ def train(cfg: Config, env, model_config, data):
     if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, in the engine's dtype (only run without grad)
         ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
+    budget, checkpointing = memory_plan(cfg, lm, env)  # the auto sizes, from the model and this GPU (printed below)
+    cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
     reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
     trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
@@ -1629,9 +1654,8 @@ def train(cfg: Config, env, model_config, data):
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
 
-    trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + \
-        " + CPU offload" * cfg.fsdp_cpu_offload + " + activation checkpointing" * use_checkpointing(cfg, lm, env) \
-        + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
+    trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + " + CPU offload" * \
+        cfg.fsdp_cpu_offload + " + activation checkpointing" * checkpointing + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "

@@ -295,9 +295,10 @@ PROMPTS, COMPLETIONS = [[5, 6, 7], [8, 9], [4]], [[10, 11], [12, 13, 14], []]  #
 
 
 def test_pack():
-    input_ids, position_ids, completion_index = gc.pack(PROMPTS, COMPLETIONS)
+    input_ids, position_ids, cu_seqlens, longest, completion_index = gc.pack(PROMPTS, COMPLETIONS)
     assert input_ids.tolist() == [[5, 6, 7, 10, 11, 8, 9, 12, 13, 14, 4]]  # one row, no padding
     assert position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]]  # restarting at every sequence
+    assert cu_seqlens.tolist() == [0, 5, 10, 11] and cu_seqlens.dtype == torch.int32 and longest == 5
     assert completion_index.tolist() == [3, 4, 7, 8, 9]
     assert gc.completion_mask_of(COMPLETIONS).tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]
 
@@ -323,8 +324,10 @@ def test_varlen_attention_wiring(tmp_path, monkeypatch):
 
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert window_size == (-1, 0) and q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
-        assert q.shape == k.shape and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+        assert k.shape == v.shape and q.shape[1] == 2 * k.shape[1]  # grouped K/V heads, as they are (tiny_llama's)
+        assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and torch.equal(cu_q, cu_k)
+        k, v = (x.repeat_interleave(2, 1) for x in (k, v))  # what the kernel does: KV head j serves heads 2j, 2j + 1
         out = torch.empty_like(q)  # [L, heads, D]
         for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
             qkv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))  # [heads, l, D]
@@ -347,21 +350,29 @@ def test_split_micro_batches():
     assert len(gc.split_micro_batches(lengths, 10, 6)) == 6
 
 
-def test_use_checkpointing_auto(monkeypatch):
+def test_memory_plan(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))  # an 80 GiB GPU
     lm = SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28),  # the Qwen2.5-1.5B shape
                          parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
     env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True, engine_bytes=0)
-    # 16 x 1.54e9 = 24.7 GB + 120 x 1536 x 28 x 8192 = 42.3 GB: 67.0 GB < 0.85 x 85.9 GB = 73.0 GB
-    assert not gc.use_checkpointing(gc.Config(), lm, env)
-    assert gc.use_checkpointing(gc.Config(max_tokens_per_microbatch=16384), lm, env)  # 109 GB
-    assert not gc.use_checkpointing(gc.Config(beta=0.04), lm, env)  # + a bf16 reference: 70.1 GB
-    env.sleep, env.engine_bytes = False, 8 << 30  # an engine that stays awake: 73.0 - 8.6 GB left
-    assert gc.use_checkpointing(gc.Config(), lm, env)
-    assert not gc.use_checkpointing(gc.Config(gradient_checkpointing="false"), lm, env)
+    room = 0.85 * 80 * 2**30 - 16 * 1_543_714_304  # 73.0 - 24.7 GB; 120 x 1536 x 28 = 5.16 MB per token
+    assert gc.memory_plan(gc.Config(), lm, env) == (int(room // (120 * 1536 * 28)), False) == (9361, False)
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=8192), lm, env) == (8192, False)  # 42.3 GB fit
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=16384), lm, env) == (16384, True)  # 84.6 GB do not
+    assert gc.memory_plan(gc.Config(beta=0.04), lm, env) == (8763, False)  # + a bf16 reference: 2 more per param
+    env.sleep, env.engine_bytes = False, 8 << 30  # an engine that stays awake: 8.6 GB less room
+    assert gc.memory_plan(gc.Config(), lm, env) == (7697, False)
+    assert gc.memory_plan(gc.Config(gradient_checkpointing="false", max_tokens_per_microbatch=16384), lm, env) == \
+        (16384, False)
+    # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7.6e9 / 2 = 61 GB leave 12 GB, < 4096 tokens without checkpointing
+    lm7 = SimpleNamespace(config=SimpleNamespace(hidden_size=3584, num_hidden_layers=28),
+                          parameters=lambda: [torch.empty(7_615_616_512, device="meta")])
+    env7 = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=2, sleep=True, engine_bytes=0)
+    room7 = 0.85 * 80 * 2**30 - 8 * 7_615_616_512
+    assert gc.memory_plan(gc.Config(fsdp=True), lm7, env7) == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True)
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert gc.use_checkpointing(gc.Config(gradient_checkpointing="true"), lm, cpu)
-    assert not gc.use_checkpointing(gc.Config(), lm, cpu)  # auto: off on the CPU
+    assert gc.memory_plan(gc.Config(gradient_checkpointing="true"), lm, cpu) == (8192, True)
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=600), lm, cpu) == (600, False)  # auto: off on the CPU
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
@@ -370,7 +381,8 @@ def test_micro_batch_packs_rows_and_cuts_columns():
                                loss_mask=completion_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
                                old_logps=torch.ones(3, 3), ref_logps=None)
     mb = gc.micro_batch(batch, range(0, 1), "cpu")
-    assert [x.tolist() for x in mb.packed] == [[[5, 6, 7, 10, 11]], [[0, 1, 2, 3, 4]], [3, 4]]
+    assert [getattr(x, "tolist", lambda: x)() for x in mb.packed] == [[[5, 6, 7, 10, 11]], [[0, 1, 2, 3, 4]], [0, 5],
+                                                                      5, [3, 4]]
     assert mb.completion_mask.tolist() == [[1, 1]] and mb.old_logps.shape == (1, 2)  # T: its longest completion
     mb = gc.micro_batch(batch, range(1, 3), "cpu")
     assert mb.packed[1].tolist() == [[0, 1, 2, 3, 4, 0]] and mb.advantages.tolist() == [1.0, 2.0]
@@ -1246,7 +1258,8 @@ def reference(loss_type):
 result = {}
 for loss_type in ("grpo", "dr_grpo", "dapo"):
     want = reference(loss_type)
-    for name, flags in (("ddp-100", ["--max_tokens_per_microbatch", "100"]), ("ddp-4096", []),
+    for name, flags in (("ddp-100", ["--max_tokens_per_microbatch", "100"]),
+                        ("ddp-4096", ["--max_tokens_per_microbatch", "4096"]),
                         ("fsdp-100", ["--max_tokens_per_microbatch", "100", "--fsdp"])):
         cfg = gc.parse_args(base + ["--loss_type", loss_type] + flags)
         policy = gc.wrap_policy(gc.load_lm(MODEL, "cpu"), env, cfg)
