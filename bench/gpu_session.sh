@@ -11,6 +11,10 @@
 #   learn [SEED]  60-step learning runs (seeds 42 and 7, or SEED), ours vs TRL (BENCHMARKS.md section 4's settings)
 #   seeds     generate with and without per-request seeds (run after fixed: it needs the 1.5B shape)
 #   lora      the 1.5B shape: LoRA vs full fine-tuning, memory and step time
+#   trainbench  the train phase alone, variants and profiles (bench/train_bench.py; needs no vLLM)
+#   smol      SmolLM2-135M, ours vs TRL (its defaults): the fixed and the variable-length workloads
+#   ours15    the 1.5B shape, ours only: fixed and variable lengths; then the push A/B (bench/push_ab.py)
+#   trl15     the 1.5B shape, TRL only (its defaults): fixed and variable lengths (compare on the CPU afterwards)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -28,7 +32,43 @@ latest() { ls -td outputs/bench/"$1"* | head -1; }
 versions() { python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__)" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; }
 
+varlen_data() {  # "Write N sentences about X": natural stops, lengths spread widely
+  python3 - <<'EOF'
+import json, random
+topics = ["the sea", "a city at night", "bread", "trains", "the moon", "winter", "a library", "bees", "rain", "chess",
+          "a market", "volcanoes", "music", "the desert", "a bicycle", "clocks"]
+rng = random.Random(0)
+with open("/tmp/varlen.jsonl", "w") as f:
+    for i in range(4000):
+        n = rng.choice([1, 1, 2, 3, 4, 6, 8, 12, 16])
+        f.write(json.dumps({"prompt": f"Write {n} sentence{'s' * (n > 1)} about {rng.choice(topics)}.", "answer": ""}) + "\n")
+EOF
+}
+V=(--dataset /tmp/varlen.jsonl --reward_funcs reward_len --num_eval 8 --ignore_eos false --temperature 1.0)
+W=(--num_generations 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 8 --max_prompt_length 128
+   --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0 --save_steps -1 --learning_rate 1e-6)  # run.sh's
+M15=$HOME/.cache/grpo_colocate/qwen2.5-1.5b-random
+
 case ${1:?part} in
+trainbench)
+  OUT=$OUT python3 bench/train_bench.py "${2:-all}" 2>&1 | grep -v -i warn | tee "$OUT/train_bench.txt" | grep '^{' ;;
+smol)
+  varlen_data
+  TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m; keep "$(latest smollm2-135m)" fixed-smol
+  TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m "${V[@]}"; keep "$(latest smollm2-135m)" varlen-smol ;;
+ours15)
+  varlen_data
+  STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape; keep "$(latest qwen2.5-1.5b)" fixed-1.5b
+  STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape "${V[@]}"; keep "$(latest qwen2.5-1.5b)" varlen-1.5b
+  python3 bench/push_ab.py "$M15" 2>&1 | grep "median" | tee "$OUT/push_ab.txt" ;;
+trl15)
+  varlen_data
+  for w in fixed varlen; do
+    extra=(); [ $w = varlen ] && extra=("${V[@]}")
+    python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train outputs/trl15-$w \
+      --model "$M15" "${W[@]}" "${extra[@]}" --trl_defaults > "$OUT/trl15-$w.log" 2>&1 || tail -20 "$OUT/trl15-$w.log"
+    cp outputs/trl15-$w/metrics.jsonl "$OUT/trl15-$w.jsonl"
+  done ;;
 install)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl && python3 -c "import trl; print('trl', trl.__version__)"
   versions ;;
@@ -55,17 +95,7 @@ fixed)
   TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m; keep "$(latest smollm2-135m)" fixed-smol
   TRL_FLAGS=--trl_defaults bash run.sh compare qwen2.5-1.5b-shape; keep "$(latest qwen2.5-1.5b)" fixed-1.5b ;;
 varlen)
-  python3 - <<'EOF'
-import json, random
-topics = ["the sea", "a city at night", "bread", "trains", "the moon", "winter", "a library", "bees", "rain", "chess",
-          "a market", "volcanoes", "music", "the desert", "a bicycle", "clocks"]
-rng = random.Random(0)
-with open("/tmp/varlen.jsonl", "w") as f:
-    for i in range(4000):
-        n = rng.choice([1, 1, 2, 3, 4, 6, 8, 12, 16])
-        f.write(json.dumps({"prompt": f"Write {n} sentence{'s' * (n > 1)} about {rng.choice(topics)}.", "answer": ""}) + "\n")
-EOF
-  V=(--dataset /tmp/varlen.jsonl --reward_funcs reward_len --num_eval 8 --ignore_eos false --temperature 1.0)
+  varlen_data
   for model in smollm2-135m qwen2.5-1.5b-shape; do
     TRL_FLAGS=--trl_defaults bash run.sh compare $model "${V[@]}"; keep "$(latest ${model%-shape})" varlen-$model
   done ;;
