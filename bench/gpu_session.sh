@@ -51,7 +51,7 @@ M15=$HOME/.cache/grpo_colocate/qwen2.5-1.5b-random
 
 case ${1:?part} in
 trainbench)
-  OUT=$OUT python3 bench/train_bench.py "${2:-all}" 2>&1 | grep -v -i warn | tee "$OUT/train_bench.txt" | grep '^{' ;;
+  OUT=$OUT python3 -u bench/train_bench.py "${2:-all}" > "$OUT/train_bench.txt" 2>&1; grep '^{' "$OUT/train_bench.txt" ;;
 smol)
   varlen_data
   TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m; keep "$(latest smollm2-135m)" fixed-smol
