@@ -14,7 +14,8 @@
 #   trainbench  the train phase alone, variants and profiles (bench/train_bench.py; needs no vLLM)
 #   smol      SmolLM2-135M, ours vs TRL (its defaults): the fixed and the variable-length workloads
 #   ours15    the 1.5B shape, ours only: fixed and variable lengths; then the push A/B (bench/push_ab.py)
-#   trl15     the 1.5B shape, TRL only (its defaults): fixed and variable lengths (compare on the CPU afterwards)
+#   trl15 [W] the 1.5B shape, TRL only (its defaults): fixed and/or varlen (compare on the CPU afterwards)
+#   push      bench/push_ab.py on the 1.5B shape (after ours15 made it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -60,10 +61,12 @@ ours15)
   varlen_data
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape; keep "$(latest qwen2.5-1.5b)" fixed-1.5b
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape "${V[@]}"; keep "$(latest qwen2.5-1.5b)" varlen-1.5b
-  python3 bench/push_ab.py "$M15" 2>&1 | grep "median" | tee "$OUT/push_ab.txt" ;;
+  python3 bench/push_ab.py "$M15" > "$OUT/push_ab.txt" 2>&1; grep "median" "$OUT/push_ab.txt" ;;
+push)
+  python3 bench/push_ab.py "$M15" > "$OUT/push_ab.txt" 2>&1; grep "median" "$OUT/push_ab.txt" || tail -20 "$OUT/push_ab.txt" ;;
 trl15)
   varlen_data
-  for w in fixed varlen; do
+  for w in ${2:-fixed varlen}; do  # (the random 1.5B never stops early: its "varlen" run is a fixed-length one)
     extra=(); [ $w = varlen ] && extra=("${V[@]}")
     python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train outputs/trl15-$w \
       --model "$M15" "${W[@]}" "${extra[@]}" --trl_defaults > "$OUT/trl15-$w.log" 2>&1 || tail -20 "$OUT/trl15-$w.log"
