@@ -423,7 +423,7 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-              ref_logps=None, beta=0.0, max_completion_length=None, num_items=None, is_weights=None,
+              ref_logps=None, beta=0.0, max_completion_length=None, global_count=None, is_weights=None,
               importance_sampling_level="token", entropy=None, entropy_coef=0.0, entropy_threshold=None):
     """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
 
@@ -434,11 +434,11 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
-    micro-batches; num_items=None: this batch's own sequences N = B, or tokens):
-        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (num_items = N)
+    micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
+        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
         bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
-        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (num_items = N)
-        dapo     sum_it l m / num_items                       token mean over the global batch  (num_items = tokens)
+        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (global_count = N)
+        dapo     sum_it l m / global_count                    token mean over the global batch  (global_count = tokens)
     Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL.
     """
     mask = mask.to(logps.dtype)
@@ -459,7 +459,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     if entropy_coef != 0.0:  # the entropy bonus, on the tokens the policy term keeps
         per_token = per_token - entropy_coef * entropy * keep
 
-    sequences = logps.shape[0] if num_items is None else num_items
+    sequences = logps.shape[0] if global_count is None else global_count
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     elif loss_type == "bnpo":
@@ -469,7 +469,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
         loss = (per_token * mask).sum() / (sequences * max_completion_length)
     elif loss_type == "dapo":
-        denominator = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=logps.dtype)
+        denominator = mask.sum() if global_count is None else torch.as_tensor(global_count, dtype=logps.dtype)
         loss = (per_token * mask).sum() / denominator.clamp(min=1)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -895,8 +895,8 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
     full_weights) and consumed lazily by the engine. vLLM fuses and shards them (qkv, gate_up, TP slices) itself,
     so under TP every rank passes full tensors. Returns the bytes pushed."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
-    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders
-        llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights)
+    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders (apply_model: in-process here)
+        llm.apply_model(lambda model: model.load_weights(weights))
     else:  # CPU: the backend pre-packs linear layers, reload_weights re-runs that processing
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if lm.config.tie_word_embeddings:  # ...except for a tied lm_head, which keeps the GEMM it packed at
@@ -932,33 +932,6 @@ def parity_tolerance(dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 0.5
 
 
-def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb, asleep=False) -> dict:
-    """Make the engine generate with the trainer's current weights: wake the weights (if asleep) -> push -> wake
-    the KV cache -> check parity on the probe (probe_ids None: skipped, train_step's canary checks instead). Never
-    lets vLLM reload the disk checkpoint: after a level-2 sleep its weights are garbage until this push."""
-    with timed(ledger, "sleep", env):
-        if asleep:
-            free, _ = torch.cuda.mem_get_info(env.device)
-            if free < env.engine_bytes:  # hand the trainer's cached blocks back only when vLLM needs the room
-                torch.cuda.empty_cache()  # (emptying it every step cost ~0.1 s at 1.5B, and the trainer re-allocates)
-            llm.wake_up(tags=["weights"])
-    cuda = env.device.type == "cuda"
-    if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
-        torch.cuda.reset_peak_memory_stats(env.device)
-        before = torch.cuda.memory_allocated(env.device)
-    with timed(ledger, "push", env):
-        pushed = push_weights(llm, unwrap(policy).lm, env, bucket_mb)
-    extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
-    with timed(ledger, "sleep", env):
-        if asleep:
-            llm.wake_up(tags=["kv_cache"])
-    info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
-    if probe_ids is not None:
-        with timed(ledger, "parity", env):
-            info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
-    return info
-
-
 def check_gap(gap: float, env, step, what: str) -> float:
     """Fail loudly, naming the step, when the engine does not run the trainer's weights: `gap`, the mean
     |logp_trainer - logp_vllm| over `what`, maxed over ranks (all stop alike), against the dtype's tolerance."""
@@ -985,6 +958,57 @@ def decide_sleep(env) -> bool:
     print0(f"sleep mode auto: {'on' if verdict[0] else 'off'} (the trainer's step-1 peak {verdict[1] / 2**30:.1f} GiB +"
            f" the engine's {env.engine_bytes / 2**30:.1f} + 10% {'>' if verdict[0] else '<='} {total / 2**30:.1f} GiB)")
     return bool(verdict[0])
+
+
+class ColocatedEngine:
+    """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop says
+    ready() before a generate and rest() before training; stale: the trainer has stepped since the last push.
+        rest()   sleep mode (CUDA): llm.sleep(level) frees the KV cache and the weights (level 1 backs them up to CPU
+                 RAM, level 2 discards them); without sleep mode a no-op.
+        ready()  if asleep or stale, sync(): wake the weights -> push the trainer's -> wake the KV cache -> parity.
+                 After a level-2 sleep the engine's weights are garbage until this push; vLLM never reloads them.
+    Parity: the probe after the first push, then after every push unless there is the canary (IS correction on:
+    train_step checks the gap on the sampled tokens, for free, before each update)."""
+
+    def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
+        self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
+        self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
+        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # decided after step 1 (decide_sleep)
+        self.canary = cfg.vllm_importance_sampling_correction
+
+    def rest(self, ledger):
+        with timed(ledger, "sleep_wake", self.env):
+            if self.env.sleep:
+                self.llm.sleep(level=self.cfg.vllm_sleep_level)
+        self.asleep = self.env.sleep
+
+    def ready(self, policy, step, ledger):
+        if self.asleep or self.stale:
+            self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
+            self.asleep = self.stale = False
+
+    def sync(self, policy, probe_ids, step, ledger) -> dict:
+        """Wake the weights (if asleep) -> push -> wake the KV cache -> parity on probe_ids (None: skipped)."""
+        env, llm, cuda = self.env, self.llm, self.env.device.type == "cuda"
+        with timed(ledger, "sleep_wake", env):
+            if self.asleep:
+                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:  # hand the trainer's cached blocks
+                    torch.cuda.empty_cache()  # back only when vLLM needs the room (every step: ~0.1 s at 1.5B)
+                llm.wake_up(tags=["weights"])
+        if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
+            torch.cuda.reset_peak_memory_stats(env.device)
+            before = torch.cuda.memory_allocated(env.device)
+        with timed(ledger, "push", env):
+            pushed = push_weights(llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
+        extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
+        with timed(ledger, "sleep_wake", env):
+            if self.asleep:
+                llm.wake_up(tags=["kv_cache"])
+        info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
+        if probe_ids is not None:
+            with timed(ledger, "parity", env):
+                info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
+        return info
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1269,10 +1293,10 @@ def select_groups(zero_std, keep: int) -> torch.Tensor:
     return torch.argsort(zero_std.int(), stable=True)[:keep]  # False (varies) sorts first; stable keeps the order
 
 
-def plan_micro_batches(batch, cfg, env) -> list[range]:
+def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
     """This rank's sequences cut into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every rank
     (one all_reduce): FSDP2 gathers and reduce-scatters in every micro-batch, and unequal counts would hang."""
-    lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    lengths = [len(p) + len(c) for p, c in zip(gen_batch.prompt_ids, gen_batch.completion_ids)]
     count = torch.tensor(len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch)), device=env.device)
     if env.world > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -1292,13 +1316,13 @@ def micro_batch(batch, rows: range, device):
         advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
 
-def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
-    """No-grad logprobs of `model` on the whole batch ([N, T] on the CPU), in the training micro-batches: old
-    logps (num_iterations > 1) or the reference's (beta > 0)."""
-    out = torch.zeros(batch.completion_mask.shape)
+def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
+    """Logprobs of `model` on the whole generation batch, without grad ([N, T] on the CPU), cut as train_step cuts
+    it: the reference's (beta > 0), or the policy's own as the old logprobs of num_iterations > 1 (see train_step)."""
+    out = torch.zeros(gen_batch.completion_mask.shape)
     with torch.no_grad(), autocast(env):
-        for rows in plan_micro_batches(batch, cfg, env):
-            mb = micro_batch(batch, rows, env.device)
+        for rows in plan_micro_batches(gen_batch, cfg, env):
+            mb = micro_batch(gen_batch, rows, env.device)
             logps, _ = model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
             out[rows.start:rows.stop, :logps.shape[1]] = logps.float().cpu()
     reshard(model)
@@ -1325,24 +1349,27 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
     return norm
 
 
-def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_step=None) -> dict:
-    plan = plan_micro_batches(batch, cfg, env)
+def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step=None) -> dict:
+    """Returns the step's stats: sums over the micro-batches (loss, clip_ratio/*, entropy, tokens, ...), grad_norm,
+    skipped (1.0: a non-finite step, no update) and canary_gap (with canary_step, the step it names on failure)."""
+    plan = plan_micro_batches(gen_batch, cfg, env)
     # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
-    # GLOBAL count (sequences; tokens for dapo). DDP and FSDP2 average gradients over ranks (/ world): x world undoes
-    # that. bnpo stays a token mean per micro-batch, averaged over the micro-batches (and ranks).
-    count = batch.loss_mask.sum() if cfg.loss_type == "dapo" else batch.loss_mask.new_tensor(len(batch.loss_mask))
-    count = count.to(env.device)
+    # GLOBAL count (sequences; dapo: loss tokens) of every rank and micro-batch, so that the parts add up to the whole
+    # batch's loss. DDP and FSDP2 both average gradients over ranks (/ world): x world undoes that. bnpo stays a token
+    # mean per micro-batch, averaged over the micro-batches (and ranks).
+    mask = gen_batch.loss_mask  # [N, T]
+    count = (mask.sum() if cfg.loss_type == "dapo" else mask.new_tensor(len(mask))).to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
-    num_items, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
+    global_count, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
     sums = {}  # token-weighted sums of the per-micro-batch stats, for logging: tensors until the step ends (a
     # float() per stat and micro-batch would stall the GPU each time while the host catches up)
 
     def add(name, value, weight=1.0):
         sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
 
-    with timed(ledger, "train", env):
-        micro_batches = [micro_batch(batch, rows, env.device) for rows in plan]  # host work and copies, all first:
+    with timed(ledger, "fwd_bwd", env):
+        micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # host work and copies, first:
         for i, mb in enumerate(micro_batches):  # then the GPU runs the micro-batches back to back, never waiting
             # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
             # unsharded gradients across micro-batches would cost a full model's worth of memory.
@@ -1351,6 +1378,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
             with sync:
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
+                # Old logprobs. num_iterations = 1: this forward's, detached. The engine sampled with the weights
+                # training now, and no update comes between micro-batches, so ratio = 1 in value, its gradient is
+                # that of logp, and no extra forward runs. num_iterations > 1: run() froze them before the first step.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -1359,14 +1389,14 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
                                                          cfg.vllm_importance_sampling_clip_max)
                 threshold = None if cfg.top_entropy_quantile == 1 else \
                     entropy_quantile(entropy, mb.loss_mask, 1 - cfg.top_entropy_quantile, env.world)
-                loss, stats = grpo_loss(
+                loss, loss_stats = grpo_loss(
                     logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
                     cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    num_items, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
+                    global_count, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
                 (loss * loss_scale).backward()
             tokens = mb.loss_mask.sum()
             add("loss", loss * loss_scale)
-            for k, v in stats.items():
+            for k, v in loss_stats.items():
                 add(k, v, tokens)
             add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
@@ -1377,10 +1407,10 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
                 add("is_masked", ((w == 0).float() * m).sum())
             add("tokens", tokens)
             add("completion_tokens", mb.completion_mask.sum())
-    sums = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
-    if canary_step is not None:  # the canary (see train()), before the update: a stale engine's rollout never trains
-        gap = sums["logprob_gap"] / sums["completion_tokens"]  # NaN: the trainer's own non-finite step, skipped below
-        sums["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
+    stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
+    if canary_step is not None:  # the canary (see ColocatedEngine), before the update: a stale engine never trains
+        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step, skipped below
+        stats["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
         grad_norm = clip_grad_norm([p for p in policy.parameters() if p.grad is not None], cfg.max_grad_norm, env)
         # a NaN/inf loss makes the gradient non-finite; the norm is global, so every rank decides alike
@@ -1389,8 +1419,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    sums["grad_norm"], sums["skipped"] = grad_norm.item(), float(not finite)
-    return sums
+    stats["grad_norm"], stats["skipped"] = grad_norm.item(), float(not finite)
+    return stats
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1491,9 +1521,9 @@ def sample_memory(env, memory: dict):
                                        torch.cuda.max_memory_allocated(env.device) / 2**30)
 
 
-def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
+def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
     """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
-    s = batch.stats
+    s = gen_batch.stats
     local = {
         "reward": s["rewards"].sum(), "reward_sq": (s["rewards"] ** 2).sum(), "n": float(len(s["rewards"])),
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
@@ -1501,7 +1531,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
-        **{k: v for k, v in train_sums.items() if k not in ("grad_norm", "skipped", "canary_gap")},
+        **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
     }
     keys = list(local)
     totals = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=env.device)
@@ -1517,14 +1547,14 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
         "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
         "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
-        "loss": t["loss"] / env.world,  # each rank logged its loss x world (see train_step): the sum / world
-        "entropy": t["entropy"] / ctoks, "grad_norm": train_sums["grad_norm"],
+        "loss": t["loss"] / env.world,  # each rank logged loss x loss_scale (see train_step): / world = the batch's
+        "entropy": t["entropy"] / ctoks, "grad_norm": train_stats["grad_norm"],
         **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl") if k in t},
     }
     if "logprob_gap" in t:
         m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
                   "is_weight/masked": t["is_masked"] / ctoks})
-    m.update({**sync_info, **{k: train_sums[k] for k in ["canary_gap"] if k in train_sums}})  # a max over ranks
+    m.update({**sync_info, **{k: train_stats[k] for k in ["canary_gap"] if k in train_stats}})  # a max over ranks
     step_time = sum(ledger.values())
     m.update({**{f"time/{k}": v for k, v in ledger.items()}, "time/step": step_time,
               "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
@@ -1535,7 +1565,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
                   "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
     if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
         trained = t["prompt_tokens"] + t["len"]  # over the train phases
-        m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
+        m["mfu"] = 6 * n_params * trained / env.world / (ledger["fwd_bwd"] + ledger["optimizer"]) / peak
     if env.device.type == "cuda":  # the trainer's peak (+ the engine's pool); trainer + engine, seen by the driver
         m.update({f"memory/{k}_gib": memory.get(k, 0.0) for k in ("peak_allocated", "device_used")})
     return m
@@ -1566,32 +1596,35 @@ def make_tracker(cfg: Config) -> SimpleNamespace:
     return SimpleNamespace(close=lambda: None, log=lambda m: None, table=lambda step, rows: None)
 
 
-def log_completions(cfg, step, batch, reward_funcs, tracker):
+def log_completions(cfg, step, gen_batch, reward_funcs, tracker):
     """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the tracker's table."""
-    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": batch.advantages[i].item(),
-             **{fn.__name__: batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
-            for i, (prompt, text) in enumerate(batch.texts[:cfg.num_completions_to_print or None])]
+    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": gen_batch.advantages[i].item(),
+             **{fn.__name__: gen_batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
+            for i, (prompt, text) in enumerate(gen_batch.texts[:cfg.num_completions_to_print or None])]
     open(os.path.join(cfg.output_dir, "completions.jsonl"), "a").writelines(json.dumps(row) + "\n" for row in rows)
     tracker.table(step, rows)
 
 
 def log_line(step, max_steps, m) -> str:
+    """trunc: completion_clipped_ratio, clip: clip_ratio/region, vllm_gap: logprob_gap, probe_gap: parity_gap."""
     rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
                         if k.startswith("rewards/"))
     parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
-             f"len {m['completion_length/mean']:.0f} clip {m['completion_clipped_ratio']:.2f}",
-             f"loss {m['loss']:+.4f}", f"ent {m['entropy']:.2f}"]
-    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "gap")) if key in m]
+             f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
+             f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}", f"ent {m['entropy']:.2f}"]
+    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"),
+                                                       ("parity_gap", "probe_gap")) if key in m]
     ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
-    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"] + [f"mfu {100 * v:.0f}%" for v in [m.get("mfu")] if v]
-    return " | ".join(parts)
+    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
+    return " | ".join(parts + ([f"mfu {100 * m['mfu']:.0f}%"] if m.get("mfu") else []))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# main: set up, then the loop as phase banners: generate -> score -> advantages -> train -> push -> log.
+# The run: set up data, engine and policy, then the loop of steps: generate -> score -> advantages -> train -> push
+# -> log, each under a phase banner. main() below: check the inputs, start the process group, run, tear down.
 # ----------------------------------------------------------------------------------------------------------------
 
-def train(cfg: Config, env, model_config, data):
+def run(cfg: Config, env, model_config, data):
     from tqdm import tqdm
 
     start_step, data_position, state = 0, 0, None  # data_position: prompts drawn so far, by all ranks together
@@ -1608,28 +1641,9 @@ def train(cfg: Config, env, model_config, data):
     G = cfg.num_generations
     prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
     prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # generated for: dynamic sampling
-    llm = make_engine(cfg, env, model_config)
-    engine = SimpleNamespace(asleep=False, stale=True, info={},  # stale: forces the first push and parity check
-                             auto_sleep=env.sleep and cfg.vllm_enable_sleep_mode == "auto")  # decided after step 1
-    # the canary: with vLLM's sampled-token logprobs (IS on) train_step checks their gap for free; else the probe
-    gap_canary = cfg.vllm_importance_sampling_correction
-
-    def rest_engine(ledger):
-        """Free the engine's GPU memory for the trainer (sleep mode; a no-op on CPU)."""
-        with timed(ledger, "sleep", env):
-            if env.sleep:
-                llm.sleep(level=cfg.vllm_sleep_level)
-        engine.asleep = env.sleep
-
-    def ready_engine(step, ledger):
-        """Before the engine generates: awake, and holding the trainer's weights (wake, push, canary)."""
-        if engine.asleep or engine.stale:
-            probe = None if gap_canary and engine.info else probe_ids  # the first push: it proves the name mapping
-            engine.info = sync_engine(llm, policy, env, probe, ledger, step, cfg.weight_push_bucket_mb, engine.asleep)
-            engine.asleep = engine.stale = False
-
+    engine = ColocatedEngine(cfg, env, model_config, probe_ids)
     ledger = {}
-    rest_engine(ledger)
+    engine.rest(ledger)
 
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
@@ -1664,7 +1678,7 @@ def train(cfg: Config, env, model_config, data):
            f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
            f"{min(prompts_drawn * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
-           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if gap_canary else 'probe'}"
+           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if engine.canary else 'probe'}"
            f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
     metrics_path, tracker = os.path.join(cfg.output_dir, "metrics.jsonl"), make_tracker(cfg) if env.is_main else None
@@ -1675,17 +1689,18 @@ def train(cfg: Config, env, model_config, data):
                 f.write(json_line(record) + "\n")
             tracker.log(record)  # the same keys
 
-    ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
+    engine.ready(policy, start_step, ledger)  # checked on the probe: after a level-2 sleep (weights discarded) that
+    # proves vLLM maps every parameter name; otherwise the engine still holds the checkpoint it loaded from disk
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
-        base = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+        base = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
         print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
         write_metrics({"step": 0, **base})
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (env.is_main and sys.stderr.isatty()), desc="grpo")
-    batch, skipped_in_a_row, skipped_total = None, 0, 0
-    iteration = cfg.num_iterations  # optimizer steps taken on the current batch: none yet, so generate first
+    gen_batch, skipped_in_a_row, skipped_total = None, 0, 0
+    iteration = cfg.num_iterations  # optimizer steps taken on gen_batch: none yet, so generate first
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
         if env.device.type == "cuda":
@@ -1695,31 +1710,32 @@ def train(cfg: Config, env, model_config, data):
         if iteration == cfg.num_iterations:  # (a resumed run starts here too, even mid-way through a cycle)
             # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
             positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
-            if batch is None:
+            if gen_batch is None:
                 check_distinct_shards(positions, env)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this generation
             iteration = 0
-            ready_engine(step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
-            batch = rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
+            engine.ready(policy, step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
+            gen_batch = rollout(engine.llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer's state
-            rest_engine(ledger)  # the trainer gets the GPU
-            # ======== frozen logprobs: only when something needs them (no extra forward otherwise) ========
+            engine.rest(ledger)  # the trainer gets the GPU
+            # ======== no-grad logprobs: the reference's (beta > 0), old ones (num_iterations > 1: see train_step) ====
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1:
-                    batch.old_logps = frozen_logps(unwrap(policy), batch, cfg, env)
+                    gen_batch.old_logps = no_grad_logps(unwrap(policy), gen_batch, cfg, env)
                 if reference is not None:  # LoRA: the reference is the base, i.e. the policy with its adapters off
                     with unwrap(policy).lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        batch.ref_logps = frozen_logps(reference, batch, cfg, env)
+                        gen_batch.ref_logps = no_grad_logps(reference, gen_batch, cfg, env)
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, step if gap_canary else None)
+        canary_step = step if engine.canary else None
+        train_stats = train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step)
         sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
         if engine.auto_sleep:  # the trainer's peak is known now: does sleeping pay on this GPU?
             env.sleep, engine.auto_sleep = decide_sleep(env), False
-        if train_sums["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
+        if train_stats["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
             skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
-            print0(f"step {step}: non-finite loss or gradient (grad norm {train_sums['grad_norm']}), skipped")
+            print0(f"step {step}: non-finite loss or gradient (grad norm {train_stats['grad_norm']}), skipped")
             if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
                 raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
                                    "gradient; lower --learning_rate, check the reward functions for NaN/inf, or "
@@ -1736,36 +1752,36 @@ def train(cfg: Config, env, model_config, data):
 
         # ======== push: the new weights go to the engine before it generates again ========
         if engine.stale and (iteration == cfg.num_iterations or step == cfg.max_steps):
-            ready_engine(step, ledger)
+            engine.ready(policy, step, ledger)
 
         # ======== log ========
         synchronize(env)  # what no phase timed (batching, advantages, ...): the ledger sums to the step's wall time
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         m = None
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            m = {"step": step, "lr": lr, "skipped_steps": skipped_total,
-                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, flop_params, engine.info, reward_funcs)}
+            m = {"step": step, "lr": lr, "skipped_steps": skipped_total, **reduce_metrics(
+                cfg, env, gen_batch, train_stats, ledger, memory, flop_params, engine.info, reward_funcs)}
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, m))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
             eval_time = {}
             with timed(eval_time, "eval", env):
-                ready_engine(step, eval_time)  # awake already, unless mid-way through num_iterations
-                ev = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+                engine.ready(policy, step, eval_time)  # awake already, unless mid-way through num_iterations
+                ev = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
                 if iteration < cfg.num_iterations:  # mid-way through a generation batch: the trainer needs the GPU
-                    rest_engine(eval_time)
+                    engine.rest(eval_time)
             print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:
             write_metrics(m)
             if cfg.log_completions and env.is_main:
-                log_completions(cfg, step, batch, reward_funcs, tracker)
+                log_completions(cfg, step, gen_batch, reward_funcs, tracker)
         bar.update(1)
     bar.close()
     if env.is_main:
         tracker.close()
         plot_curves(cfg.output_dir)
-    return llm
+    return engine.llm
 
 
 def check_inputs(argv=None):
@@ -1787,7 +1803,7 @@ def main(argv=None):
     cfg, model_config, data = check_inputs(argv)
     env = setup_distributed(cfg)
     try:
-        llm = train(cfg, env, model_config, data)
+        llm = run(cfg, env, model_config, data)
     except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
         # other ranks down (within seconds) instead of leaving them waiting in a collective
         if not isinstance(e, ConfigError):
