@@ -202,11 +202,9 @@ class Config:
 
 
 def str2bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in ("1", "true", "yes", "on")
 
 
 def parse_args(argv=None) -> Config:
@@ -288,9 +286,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(len(cfg.reward_funcs) >= 1, "reward_funcs", "name at least one reward function")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
          f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
-    for name in cfg.reward_funcs:
-        need(":" in name or name in reward_fns.REWARD_FUNCS, "reward_funcs",
-             f"unknown {name!r}; use one of {', '.join(reward_fns.REWARD_FUNCS)} or module:function")
+    load_reward_funcs(cfg)  # imports your module:function ones
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
@@ -318,15 +314,6 @@ def check_config(cfg: Config, world_size: int) -> None:
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
-    for name in cfg.reward_funcs:
-        if ":" in name:
-            module, fn = name.split(":", 1)
-            try:
-                found = callable(getattr(importlib.import_module(module), fn, None))
-            except ImportError as e:
-                found, module = False, f"{module} ({e})"
-            need(found, "reward_funcs", f"cannot load {name!r}: no function {fn} in module {module}; put the "
-                 "module on PYTHONPATH")
     try:  # every rank checks, so that every rank reaches the same verdict without a collective
         os.makedirs(cfg.output_dir, exist_ok=True)
         probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
@@ -600,8 +587,7 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
     tp = cfg.vllm_tensor_parallel_size
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours must be the same groups
     tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype,
-                                                                        torch.bfloat16 if cuda else torch.float32)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
     return SimpleNamespace(
@@ -705,8 +691,7 @@ def load_rows(cfg: Config):
 def load_tokenizer(path, trust_remote_code=False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return tokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def check_distinct_shards(positions, env):
@@ -961,14 +946,13 @@ def decide_sleep(env) -> bool:
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop says
-    ready() before a generate and rest() before training; stale: the trainer has stepped since the last push.
+    """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop calls
+    ready() before a generate and rest() before training, and sets stale when the trainer has stepped.
         rest()   sleep mode (CUDA): llm.sleep(level) frees the KV cache and the weights (level 1 backs them up to CPU
-                 RAM, level 2 discards them); without sleep mode a no-op.
-        ready()  if asleep or stale, sync(): wake the weights -> push the trainer's -> wake the KV cache -> parity.
-                 After a level-2 sleep the engine's weights are garbage until this push; vLLM never reloads them.
-    Parity: the probe after the first push, then after every push unless there is the canary (IS correction on:
-    train_step checks the gap on the sampled tokens, for free, before each update)."""
+                 RAM, level 2 discards them: garbage until the next push; vLLM never reloads them); else a no-op.
+        ready()  if asleep or stale, sync(): wake the weights -> push the trainer's -> wake the KV cache -> parity:
+                 the probe after the first push (after a level-2 sleep that proves every parameter name reaches
+                 vLLM), then only without the canary (IS correction on: train_step checks the sampled tokens)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
@@ -1144,11 +1128,8 @@ def lr_lambda(cfg: Config):
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        if cfg.lr_scheduler_type == "linear":
-            return max(0.0, 1.0 - progress)
-        if cfg.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
+        return {"linear": max(0.0, 1.0 - progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+                "constant": 1.0}[cfg.lr_scheduler_type]
     return factor
 
 
@@ -1157,15 +1138,17 @@ def lr_lambda(cfg: Config):
 # ----------------------------------------------------------------------------------------------------------------
 
 def load_reward_funcs(cfg: Config):
+    """(functions, weights [F]): names from reward_fns.py, or module:function for your own (ConfigError if absent)."""
     funcs = []
     for name in cfg.reward_funcs:
-        if ":" in name:  # module:function, your own
-            module, fn = name.split(":", 1)
-            funcs.append(getattr(importlib.import_module(module), fn))
-        else:
-            funcs.append(reward_fns.REWARD_FUNCS[name])
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
-    return funcs, weights
+        module, _, fn = name.rpartition(":")
+        try:
+            funcs.append(getattr(importlib.import_module(module), fn) if module else reward_fns.REWARD_FUNCS[fn])
+        except (ImportError, AttributeError, KeyError) as e:
+            raise ConfigError(f"--reward_funcs: cannot load {name!r} ({type(e).__name__}: {e}); use one of "
+                              f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function with the module on PYTHONPATH"
+                              ) from None
+    return funcs, torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
 
 
 def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
@@ -1229,7 +1212,7 @@ def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
-    """Generate G completions per prompt, score them and compute advantages. Returns this rank's batch.
+    """Generate G completions per prompt, score them and compute advantages: this rank's generation batch.
     positions: the rows' global data positions, which seed their samples."""
     G, need_logprobs = cfg.num_generations, cfg.vllm_importance_sampling_correction
     with timed(ledger, "generate", env):
@@ -1257,8 +1240,7 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
         everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
         dist.all_gather(everyone, rewards.to(env.device))
-        advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch")
-        advantages = advantages.view(env.world, -1)[env.rank]
+        advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch").view(env.world, -1)[env.rank]
     else:
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
@@ -1270,11 +1252,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     if cfg.dynamic_sampling_factor > 1:  # zero-std groups that filled a short step stay out of the loss
         loss_mask = loss_mask * (~zero_std).float().repeat_interleave(G).unsqueeze(1)
-    vllm_logps = None
-    if need_logprobs:
-        vllm_logps = torch.zeros(completion_mask.shape)
-        for i, c in enumerate(samples):
-            vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
+    vllm_logps = torch.zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), torch.tensor(  # [N, T]
+        [lp for c in samples for lp in c.logprobs.logprobs])) if need_logprobs else None  # the mask's row-major order
     return SimpleNamespace(
         prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
         advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
@@ -1350,8 +1329,7 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step=None) -> dict:
-    """Returns the step's stats: sums over the micro-batches (loss, clip_ratio/*, entropy, tokens, ...), grad_norm,
-    skipped (1.0: a non-finite step, no update) and canary_gap (with canary_step, the step it names on failure)."""
+    """Returns sums over the micro-batches (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
     plan = plan_micro_batches(gen_batch, cfg, env)
     # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
     # GLOBAL count (sequences; dapo: loss tokens) of every rank and micro-batch, so that the parts add up to the whole
@@ -1533,17 +1511,16 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
            for j, fn in enumerate(reward_funcs)},
         **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
     }
-    keys = list(local)
-    totals = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=env.device)
+    totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
-    t = dict(zip(keys, totals.tolist()))
+    t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     n, tokens, ctoks = t["n"], max(t["tokens"], 1.0), max(t["completion_tokens"], 1.0)
     mean = t["reward"] / n
     m = {
         "reward": mean, "reward_std": math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1)),
-        **{k: t[k] / n for k in keys if k.startswith("rewards/")},
+        **{k: t[k] / n for k in t if k.startswith("rewards/")},
         "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
         "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
         "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
@@ -1689,8 +1666,7 @@ def run(cfg: Config, env, model_config, data):
                 f.write(json_line(record) + "\n")
             tracker.log(record)  # the same keys
 
-    engine.ready(policy, start_step, ledger)  # checked on the probe: after a level-2 sleep (weights discarded) that
-    # proves vLLM maps every parameter name; otherwise the engine still holds the checkpoint it loaded from disk
+    engine.ready(policy, start_step, ledger)  # the first push, checked on the probe
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
