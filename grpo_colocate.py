@@ -14,7 +14,7 @@ Launch (`bash run.sh` sets everything up and runs a short job on the embedded Sm
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD --master_port 29500 \
         grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 --fsdp
 
-One step (one optimizer update; see "the step" near the end):
+One step (one optimizer update; see run() near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
@@ -26,8 +26,7 @@ Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the sc
 data is one stream (epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
 prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same position whatever
 its GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
-GPU (bf16 kernels on another GPU count may round rare tokens differently); a mid-cycle checkpoint starts a fresh
-generation.
+GPU (bf16 kernels on other GPU counts may round rare tokens otherwise); a mid-cycle checkpoint starts a new generation.
 
 What is implemented, honestly:
     GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
@@ -75,9 +74,7 @@ for _key, _value in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # external_launcher: the engine runs inside this process
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the PyTorch sampler is exact; FlashInfer is optional and often absent
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # no NVLink-multicast all-reduce (can take shared GPUs down)
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
 }.items():
     os.environ.setdefault(_key, _value)
 if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -325,8 +322,7 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 def check_model(cfg: Config, model_config) -> None:
     """Checks that need the model's config (read before any process group, weights or engine exist)."""
-    tp = cfg.vllm_tensor_parallel_size
-    heads = model_config.num_attention_heads
+    tp, heads = cfg.vllm_tensor_parallel_size, model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
@@ -396,8 +392,7 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
         A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
                                                          or no division at all (none, Dr. GRPO)
-    std is Bessel-corrected (torch.std), as in TRL.
-    """
+    std is Bessel-corrected (torch.std), as in TRL."""
     grouped = rewards.view(-1, num_generations)  # [P, G]
     advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
@@ -415,7 +410,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
 
     logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
-        r_t  = exp(logp_t - old_logp_t)                        (== 1 when num_iterations = 1; the gradient flows)
+        r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
         l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t * e_t  +  beta * KL_t  -  c * H_t e_t
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
@@ -426,8 +421,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
         dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (global_count = N)
         dapo     sum_it l m / global_count                    token mean over the global batch  (global_count = tokens)
-    Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL.
-    """
+    Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
     log_ratio = logps - old_logps  # [B, T]
@@ -479,8 +473,7 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
         w = pi_trainer(o) / pi_vllm(o) = exp(logp_trainer - logp_vllm)      per token [B, T], or per sequence
                                                                             (sum over its tokens) [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)     *_mask: w = 0 where w > clip_max (masked IS)
-    trainer_logps: the no-grad logprobs of the policy that sampled (old_logps); all inputs [B, T].
-    """
+    trainer_logps: the policy that sampled, i.e. old_logps (see train_step), no grad; all inputs [B, T]."""
     diff = (trainer_logps - vllm_logps) * mask  # [B, T]
     if mode.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
@@ -580,8 +573,7 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
     else:
         device = torch.device("cpu")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
-        # share the cores between the processes of this host, before vLLM pins its threads (it makes
-        # torch.set_num_threads a no-op afterwards)
+        # share the cores among this host's processes, before vLLM pins its threads (then set_num_threads is a no-op)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     tp = cfg.vllm_tensor_parallel_size
@@ -626,9 +618,8 @@ def timed(ledger: dict, phase: str, env):
 # ----------------------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """The built-in task: 'What is 37 + 58?' with answer '95'; a, b in [0, 99], + or -: 20,000 problems. A
-    problem is held out iff a hash of its text is 0 mod 10, so train and eval never share one, whatever the
-    seed; the seed sets the order."""
+    """The built-in task: 'What is 37 + 58?', answer '95'; a, b in [0, 99], + or -: 20,000 problems in an order set by
+    the seed. Held out iff a hash of the text is 0 mod 10: train and eval never share one, whatever the seed."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
     rows = {"train": [], "eval": []}
@@ -729,11 +720,9 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what):
 
 def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    train_rows, eval_rows = load_rows(cfg)
-    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training")
-    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
-    return tokenizer, train_rows, eval_rows
+    tokenizer, (train_rows, eval_rows) = load_tokenizer(cfg.model, cfg.trust_remote_code), load_rows(cfg)
+    return tokenizer, tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training"), \
+        tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
 
 
 @functools.lru_cache(maxsize=4)
@@ -742,10 +731,9 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """This rank's prompts for a generation that starts at global `position` of the data stream: epoch after epoch
-    of shuffled rows, each order a pure function of (seed, epoch). Rank r takes positions [position + r per_rank,
-    position + (r + 1) per_rank), so the ranks together take one contiguous slice whatever their number, and a
-    resumed run needs only the position. Returns (positions, rows)."""
+    """(positions, rows): this rank's prompts for the generation at global `position` of the data stream (epochs of
+    shuffled rows, each order a pure function of (seed, epoch)). Rank r takes [position + r per_rank, position + (r + 1)
+    per_rank): the ranks take one contiguous slice whatever their number, and a resume needs only the position."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     return positions, [rows[epoch_permutation(len(rows), seed, i // len(rows))[i % len(rows)]] for i in positions]
 
@@ -762,7 +750,7 @@ def make_engine(cfg: Config, env, model_config):
 
     if not cfg.verbose:  # hide warnings that every run prints and that need no action. "Failed to load weights": the
         # CPU push has no tensor for RotaryEmbedding (no weights) nor for a tied lm_head (push_weights re-packs it; the
-        # parity check proves both). LLM(seed=) reseeds the process (train() reseeds the trainer after it). The rest is
+        # parity check proves both). LLM(seed=) reseeds the process (run() reseeds the trainer after it). The rest is
         # the CPU backend: eager mode by choice, no triton, threads set by setup_distributed before vLLM binds them.
         expected = ("Failed to load weights", "global random seed is set", "Enforce eager set", "Inductor compilation "
                     "was disabled", "Model Runner V2 requires Triton", "torch.set_num_threads")
@@ -791,9 +779,8 @@ def make_engine(cfg: Config, env, model_config):
 
 
 def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:
-    """All ranks of a TP group drive ONE engine together, so they must submit identical requests: gather every
-    rank's requests, generate once, and keep this rank's slice (outputs come back in request order).
-    fingerprint(outputs) -> int, if given, must agree across the group: the ranks really sampled alike."""
+    """All ranks of a TP group drive ONE engine, so they submit identical requests: gather every rank's requests,
+    generate once, keep this rank's slice (request order). fingerprint(outputs), if given, must agree in the group."""
     if tp == 1:
         return generate_fn(requests)
     gathered = [None] * tp
@@ -842,8 +829,7 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload the shard is in CPU RAM
-        p = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        return p.full_tensor()
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
@@ -857,10 +843,9 @@ def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> t
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
-    """(HF name, full tensor) for every parameter, in the same order on every rank. Tensors are gathered (or cast)
-    a bucket of ~bucket_bytes ahead and handed over one by one, each reference dropped as it goes: whoever consumes
-    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model.
-    A peft model (LoRA) yields its merged weights under the HF names, and not the adapters themselves."""
+    """(HF name, full tensor) per parameter (LoRA: merged weights under the HF names, no adapters), in one order on
+    every rank. Gathered (or cast) a bucket of ~bucket_bytes ahead, handed over one by one, each reference dropped as it
+    goes: a lazy consumer holds one bucket (+ one tensor) of extra memory at most, never a second model copy."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     i = 0
     while i < len(params):
@@ -876,9 +861,8 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """Copy the trainer's weights into the engine, in-process: full tensors with HF names, made in buckets (see
-    full_weights) and consumed lazily by the engine. vLLM fuses and shards them (qkv, gate_up, TP slices) itself,
-    so under TP every rank passes full tensors. Returns the bytes pushed."""
+    """The trainer's weights into the engine, in-process: full tensors, HF names, made in buckets (full_weights) and
+    consumed lazily; vLLM fuses and shards them (qkv, gate_up, TP slices) itself. Returns the bytes pushed."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
     if env.push == "load_weights":  # CUDA: straight into the model's weight loaders (apply_model: in-process here)
         llm.apply_model(lambda model: model.load_weights(weights))
@@ -957,7 +941,7 @@ class ColocatedEngine:
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
         self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
-        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # decided after step 1 (decide_sleep)
+        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # decided after step 1, in ready()
         self.canary = cfg.vllm_importance_sampling_correction
 
     def rest(self, ledger):
@@ -968,11 +952,12 @@ class ColocatedEngine:
 
     def ready(self, policy, step, ledger):
         if self.asleep or self.stale:
+            if self.auto_sleep and self.info:  # after step 1, asleep: the trainer's cached blocks still hold its peak
+                self.env.sleep, self.auto_sleep = decide_sleep(self.env), False  # does sleeping pay on this GPU?
             self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
             self.asleep = self.stale = False
 
     def sync(self, policy, probe_ids, step, ledger) -> dict:
-        """Wake the weights (if asleep) -> push -> wake the KV cache -> parity on probe_ids (None: skipped)."""
         env, llm, cuda = self.env, self.llm, self.env.device.type == "cuda"
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
@@ -1006,8 +991,7 @@ class Policy(nn.Module):
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
         self.lm, self.entropy_grad = lm, entropy_grad  # entropy_grad: the entropy gets a gradient (--entropy_coef)
-        # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
-        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
+        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))  # rows of fp32 logits per chunk: <= 1 GiB
 
     def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, completion_mask, temperature,
                 top_k=0, top_p=1.0):
@@ -1082,11 +1066,10 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
-    """The policy (or the frozen reference, trainable=False) ready to run on this rank.
-    DDP: every rank holds the whole model; gradients are all-reduced (averaged) in backward.
-    FSDP2 (--fsdp): every rank holds 1/world of each parameter (fp32: the master copy, and AdamW's state beside
-    it). Each decoder layer is gathered just before its forward and backward and freed after; gradients are
-    reduce-scattered, so each rank keeps only its shard. Compute in env.dtype, gradient reduction in fp32."""
+    """The policy (or the frozen reference, trainable=False) ready to run on this rank. DDP: every rank holds the whole
+    model; gradients are all-reduced (averaged) in backward. FSDP2 (--fsdp): every rank holds 1/world of each parameter
+    (fp32 masters, AdamW's state beside them); each decoder layer is gathered just before its forward and backward and
+    freed after; gradients are reduce-scattered (averaged) into shards. Compute in env.dtype, reduction in fp32."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
     if trainable and cfg.gradient_checkpointing == "true":  # keep each layer's input; recompute the rest in backward
         for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
@@ -1146,8 +1129,7 @@ def load_reward_funcs(cfg: Config):
             funcs.append(getattr(importlib.import_module(module), fn) if module else reward_fns.REWARD_FUNCS[fn])
         except (ImportError, AttributeError, KeyError) as e:
             raise ConfigError(f"--reward_funcs: cannot load {name!r} ({type(e).__name__}: {e}); use one of "
-                              f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function with the module on PYTHONPATH"
-                              ) from None
+                              f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function on PYTHONPATH") from None
     return funcs, torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
 
 
@@ -1313,9 +1295,8 @@ def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
-    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are
-    whole on every rank; FSDP2 gradients are shards (DTensors, in CPU RAM with offload): sum the squares of each
-    rank's shard, then all-reduce."""
+    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are whole
+    on every rank, FSDP2's are shards (DTensors; CPU RAM with offload): their squares are all-reduced."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
     sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().to(env.device)
     if any(isinstance(p.grad, DTensor) for p in params):
@@ -1332,9 +1313,8 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
     """Returns sums over the micro-batches (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
     plan = plan_micro_batches(gen_batch, cfg, env)
     # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
-    # GLOBAL count (sequences; dapo: loss tokens) of every rank and micro-batch, so that the parts add up to the whole
-    # batch's loss. DDP and FSDP2 both average gradients over ranks (/ world): x world undoes that. bnpo stays a token
-    # mean per micro-batch, averaged over the micro-batches (and ranks).
+    # GLOBAL count (sequences; dapo: loss tokens) of all ranks and micro-batches. DDP and FSDP2 both average gradients
+    # over ranks (/ world): x world undoes that. bnpo: a token mean per micro-batch, averaged over them (and ranks).
     mask = gen_batch.loss_mask  # [N, T]
     count = (mask.sum() if cfg.loss_type == "dapo" else mask.new_tensor(len(mask))).to(env.device)
     if env.world > 1:
@@ -1356,9 +1336,9 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
             with sync:
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
-                # Old logprobs. num_iterations = 1: this forward's, detached. The engine sampled with the weights
-                # training now, and no update comes between micro-batches, so ratio = 1 in value, its gradient is
-                # that of logp, and no extra forward runs. num_iterations > 1: run() froze them before the first step.
+                # Old logprobs. num_iterations 1: this forward's, detached (the engine sampled with these weights and
+                # no update comes between micro-batches: ratio = 1, gradient = that of logp, no extra forward). > 1:
+                # run() froze them (no_grad_logps) before the first of the steps on this generation batch.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -1419,12 +1399,11 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position: int) -> str:
-    """checkpoint-<step>/: the policy in HF format (fp32 full tensors gathered to rank 0, loadable by transformers
-    and vLLM), the tokenizer, the flags (grpo_config.json), the AdamW state (optimizer/, torch.distributed.checkpoint:
-    every rank writes its own shard, and a DDP checkpoint resumes under FSDP2 or another world size) and
-    trainer_state.pt (step, data position, scheduler: plain numbers). Written to a temp dir and renamed last: a kill
-    at any point leaves either the complete checkpoint or a .tmp dir that resume ignores. With LoRA: the adapter
-    in peft's format (adapter/, what resume reads), and the merged HF weights in the final checkpoint only."""
+    """checkpoint-<step>/: the policy in HF format (fp32, gathered to rank 0; transformers and vLLM load it), the
+    tokenizer, the flags (grpo_config.json), AdamW (optimizer/, torch.distributed.checkpoint: a shard per rank; it
+    resumes under DDP or FSDP2, any world size), trainer_state.pt (step, data position, scheduler: plain numbers).
+    Written to a temp dir, renamed last: a kill leaves the complete checkpoint or a .tmp dir that resume ignores. LoRA:
+    adapter/ in peft's format (what resume reads); merged HF weights in the final checkpoint only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1604,10 +1583,8 @@ def log_line(step, max_steps, m) -> str:
 def run(cfg: Config, env, model_config, data):
     from tqdm import tqdm
 
-    start_step, data_position, state = 0, 0, None  # data_position: prompts drawn so far, by all ranks together
-    if cfg.resume_from_checkpoint:
-        state = read_checkpoint_state(cfg.resume_from_checkpoint)
-        start_step, data_position = state["step"], state["data_position"]
+    state = read_checkpoint_state(cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+    start_step, data_position = (state["step"], state["data_position"]) if state else (0, 0)  # prompts drawn, all ranks
 
     # ---- data (loaded and checked in main, before the process group) ----
     tokenizer, train_rows, eval_rows = data
@@ -1618,8 +1595,7 @@ def run(cfg: Config, env, model_config, data):
     G = cfg.num_generations
     prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
     prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # generated for: dynamic sampling
-    engine = ColocatedEngine(cfg, env, model_config, probe_ids)
-    ledger = {}
+    engine, ledger = ColocatedEngine(cfg, env, model_config, probe_ids), {}
     engine.rest(ledger)
 
     # ---- the policy, the reference, the optimizer ----
@@ -1637,8 +1613,8 @@ def run(cfg: Config, env, model_config, data):
     cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
     reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
+                                  lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
@@ -1651,10 +1627,10 @@ def run(cfg: Config, env, model_config, data):
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "
            f"{prompts_per_rank * G} completions, in packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens "
-           f"({env.attention}) | global batch "
-           f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
-           f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
-           f"{min(prompts_drawn * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
+           f"({env.attention}) | global batch {prompts_per_rank * G * env.world} completions "
+           f"({prompts_per_rank * env.world} prompts)\nengine: max_model_len "
+           f"{cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs {min(prompts_drawn * G * env.tp, 512)}, "
+           f"sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
            f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if engine.canary else 'probe'}"
            f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
@@ -1707,8 +1683,6 @@ def run(cfg: Config, env, model_config, data):
         canary_step = step if engine.canary else None
         train_stats = train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step)
         sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
-        if engine.auto_sleep:  # the trainer's peak is known now: does sleeping pay on this GPU?
-            env.sleep, engine.auto_sleep = decide_sleep(env), False
         if train_stats["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
             skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
             print0(f"step {step}: non-finite loss or gradient (grad norm {train_stats['grad_norm']}), skipped")

@@ -1367,7 +1367,8 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
         bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
     assert "eval/accuracy_reward" in steps[-1]
-    assert "step 2/2 | reward" in proc.stdout  # the stdout line
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 | reward"))  # the stdout line
+    assert all(label in line for label in (" trunc ", " clip ", " vllm_gap ", " sleep_wake ", " fwd_bwd ")), line
 
 
 def test_e2e_engine_checked_every_step(two_rank_run):
