@@ -14,7 +14,7 @@ Launch (`bash run.sh` sets everything up and runs a short job on the embedded Sm
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD --master_port 29500 \
         grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 --fsdp
 
-One step (one optimizer update; see "the step" near the end):
+One step (one optimizer update; see run() near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
@@ -26,8 +26,7 @@ Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the sc
 data is one stream (epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
 prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same position whatever
 its GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
-GPU (bf16 kernels on another GPU count may round rare tokens differently); a mid-cycle checkpoint starts a fresh
-generation.
+GPU (bf16 kernels on other GPU counts may round rare tokens otherwise); a mid-cycle checkpoint starts a new generation.
 
 What is implemented, honestly:
     GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
@@ -75,9 +74,7 @@ for _key, _value in {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # external_launcher: the engine runs inside this process
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the PyTorch sampler is exact; FlashInfer is optional and often absent
     "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # no NVLink-multicast all-reduce (can take shared GPUs down)
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
+    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
 }.items():
     os.environ.setdefault(_key, _value)
 if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -202,11 +199,9 @@ class Config:
 
 
 def str2bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    if value.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+    return value.lower() in ("1", "true", "yes", "on")
 
 
 def parse_args(argv=None) -> Config:
@@ -288,9 +283,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(len(cfg.reward_funcs) >= 1, "reward_funcs", "name at least one reward function")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
          f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
-    for name in cfg.reward_funcs:
-        need(":" in name or name in reward_fns.REWARD_FUNCS, "reward_funcs",
-             f"unknown {name!r}; use one of {', '.join(reward_fns.REWARD_FUNCS)} or module:function")
+    load_reward_funcs(cfg)  # imports your module:function ones
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
@@ -318,15 +311,6 @@ def check_config(cfg: Config, world_size: int) -> None:
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
-    for name in cfg.reward_funcs:
-        if ":" in name:
-            module, fn = name.split(":", 1)
-            try:
-                found = callable(getattr(importlib.import_module(module), fn, None))
-            except ImportError as e:
-                found, module = False, f"{module} ({e})"
-            need(found, "reward_funcs", f"cannot load {name!r}: no function {fn} in module {module}; put the "
-                 "module on PYTHONPATH")
     try:  # every rank checks, so that every rank reaches the same verdict without a collective
         os.makedirs(cfg.output_dir, exist_ok=True)
         probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
@@ -338,8 +322,7 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 def check_model(cfg: Config, model_config) -> None:
     """Checks that need the model's config (read before any process group, weights or engine exist)."""
-    tp = cfg.vllm_tensor_parallel_size
-    heads = model_config.num_attention_heads
+    tp, heads = cfg.vllm_tensor_parallel_size, model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
@@ -409,8 +392,7 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
         A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
                                                          or no division at all (none, Dr. GRPO)
-    std is Bessel-corrected (torch.std), as in TRL.
-    """
+    std is Bessel-corrected (torch.std), as in TRL."""
     grouped = rewards.view(-1, num_generations)  # [P, G]
     advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
@@ -423,24 +405,23 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-              ref_logps=None, beta=0.0, max_completion_length=None, num_items=None, is_weights=None,
+              ref_logps=None, beta=0.0, max_completion_length=None, global_count=None, is_weights=None,
               importance_sampling_level="token", entropy=None, entropy_coef=0.0, entropy_threshold=None):
     """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
 
     logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
-        r_t  = exp(logp_t - old_logp_t)                        (== 1 when num_iterations = 1; the gradient flows)
+        r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
         l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t * e_t  +  beta * KL_t  -  c * H_t e_t
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
-    micro-batches; num_items=None: this batch's own sequences N = B, or tokens):
-        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (num_items = N)
+    micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
+        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
         bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
-        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (num_items = N)
-        dapo     sum_it l m / num_items                       token mean over the global batch  (num_items = tokens)
-    Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL.
-    """
+        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (global_count = N)
+        dapo     sum_it l m / global_count                    token mean over the global batch  (global_count = tokens)
+    Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
     log_ratio = logps - old_logps  # [B, T]
@@ -459,7 +440,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     if entropy_coef != 0.0:  # the entropy bonus, on the tokens the policy term keeps
         per_token = per_token - entropy_coef * entropy * keep
 
-    sequences = logps.shape[0] if num_items is None else num_items
+    sequences = logps.shape[0] if global_count is None else global_count
     if loss_type == "grpo":
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     elif loss_type == "bnpo":
@@ -469,7 +450,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
         loss = (per_token * mask).sum() / (sequences * max_completion_length)
     elif loss_type == "dapo":
-        denominator = mask.sum() if num_items is None else torch.as_tensor(num_items, dtype=logps.dtype)
+        denominator = mask.sum() if global_count is None else torch.as_tensor(global_count, dtype=logps.dtype)
         loss = (per_token * mask).sum() / denominator.clamp(min=1)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
@@ -492,8 +473,7 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
         w = pi_trainer(o) / pi_vllm(o) = exp(logp_trainer - logp_vllm)      per token [B, T], or per sequence
                                                                             (sum over its tokens) [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)     *_mask: w = 0 where w > clip_max (masked IS)
-    trainer_logps: the no-grad logprobs of the policy that sampled (old_logps); all inputs [B, T].
-    """
+    trainer_logps: the policy that sampled, i.e. old_logps (see train_step), no grad; all inputs [B, T]."""
     diff = (trainer_logps - vllm_logps) * mask  # [B, T]
     if mode.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
@@ -593,15 +573,13 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
     else:
         device = torch.device("cpu")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
-        # share the cores between the processes of this host, before vLLM pins its threads (it makes
-        # torch.set_num_threads a no-op afterwards)
+        # share the cores among this host's processes, before vLLM pins its threads (then set_num_threads is a no-op)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     tp = cfg.vllm_tensor_parallel_size
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours must be the same groups
     tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(cfg.dtype,
-                                                                        torch.bfloat16 if cuda else torch.float32)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
     return SimpleNamespace(
@@ -640,9 +618,8 @@ def timed(ledger: dict, phase: str, env):
 # ----------------------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """The built-in task: 'What is 37 + 58?' with answer '95'; a, b in [0, 99], + or -: 20,000 problems. A
-    problem is held out iff a hash of its text is 0 mod 10, so train and eval never share one, whatever the
-    seed; the seed sets the order."""
+    """The built-in task: 'What is 37 + 58?', answer '95'; a, b in [0, 99], + or -: 20,000 problems in an order set by
+    the seed. Held out iff a hash of the text is 0 mod 10: train and eval never share one, whatever the seed."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
     rows = {"train": [], "eval": []}
@@ -705,8 +682,7 @@ def load_rows(cfg: Config):
 def load_tokenizer(path, trust_remote_code=False):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return tokenizer
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def check_distinct_shards(positions, env):
@@ -744,11 +720,9 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what):
 
 def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
-    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
-    train_rows, eval_rows = load_rows(cfg)
-    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training")
-    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
-    return tokenizer, train_rows, eval_rows
+    tokenizer, (train_rows, eval_rows) = load_tokenizer(cfg.model, cfg.trust_remote_code), load_rows(cfg)
+    return tokenizer, tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training"), \
+        tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
 
 
 @functools.lru_cache(maxsize=4)
@@ -757,10 +731,9 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """This rank's prompts for a generation that starts at global `position` of the data stream: epoch after epoch
-    of shuffled rows, each order a pure function of (seed, epoch). Rank r takes positions [position + r per_rank,
-    position + (r + 1) per_rank), so the ranks together take one contiguous slice whatever their number, and a
-    resumed run needs only the position. Returns (positions, rows)."""
+    """(positions, rows): this rank's prompts for the generation at global `position` of the data stream (epochs of
+    shuffled rows, each order a pure function of (seed, epoch)). Rank r takes [position + r per_rank, position + (r + 1)
+    per_rank): the ranks take one contiguous slice whatever their number, and a resume needs only the position."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     return positions, [rows[epoch_permutation(len(rows), seed, i // len(rows))[i % len(rows)]] for i in positions]
 
@@ -777,7 +750,7 @@ def make_engine(cfg: Config, env, model_config):
 
     if not cfg.verbose:  # hide warnings that every run prints and that need no action. "Failed to load weights": the
         # CPU push has no tensor for RotaryEmbedding (no weights) nor for a tied lm_head (push_weights re-packs it; the
-        # parity check proves both). LLM(seed=) reseeds the process (train() reseeds the trainer after it). The rest is
+        # parity check proves both). LLM(seed=) reseeds the process (run() reseeds the trainer after it). The rest is
         # the CPU backend: eager mode by choice, no triton, threads set by setup_distributed before vLLM binds them.
         expected = ("Failed to load weights", "global random seed is set", "Enforce eager set", "Inductor compilation "
                     "was disabled", "Model Runner V2 requires Triton", "torch.set_num_threads")
@@ -806,9 +779,8 @@ def make_engine(cfg: Config, env, model_config):
 
 
 def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:
-    """All ranks of a TP group drive ONE engine together, so they must submit identical requests: gather every
-    rank's requests, generate once, and keep this rank's slice (outputs come back in request order).
-    fingerprint(outputs) -> int, if given, must agree across the group: the ranks really sampled alike."""
+    """All ranks of a TP group drive ONE engine, so they submit identical requests: gather every rank's requests,
+    generate once, keep this rank's slice (request order). fingerprint(outputs), if given, must agree in the group."""
     if tp == 1:
         return generate_fn(requests)
     gathered = [None] * tp
@@ -857,8 +829,7 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload the shard is in CPU RAM
-        p = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        return p.full_tensor()
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
@@ -872,10 +843,9 @@ def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> t
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
-    """(HF name, full tensor) for every parameter, in the same order on every rank. Tensors are gathered (or cast)
-    a bucket of ~bucket_bytes ahead and handed over one by one, each reference dropped as it goes: whoever consumes
-    this lazily holds at most one bucket (+ one tensor) of extra memory, never a second copy of the model.
-    A peft model (LoRA) yields its merged weights under the HF names, and not the adapters themselves."""
+    """(HF name, full tensor) per parameter (LoRA: merged weights under the HF names, no adapters), in one order on
+    every rank. Gathered (or cast) a bucket of ~bucket_bytes ahead, handed over one by one, each reference dropped as it
+    goes: a lazy consumer holds one bucket (+ one tensor) of extra memory at most, never a second model copy."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     i = 0
     while i < len(params):
@@ -891,12 +861,11 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """Copy the trainer's weights into the engine, in-process: full tensors with HF names, made in buckets (see
-    full_weights) and consumed lazily by the engine. vLLM fuses and shards them (qkv, gate_up, TP slices) itself,
-    so under TP every rank passes full tensors. Returns the bytes pushed."""
+    """The trainer's weights into the engine, in-process: full tensors, HF names, made in buckets (full_weights) and
+    consumed lazily; vLLM fuses and shards them (qkv, gate_up, TP slices) itself. Returns the bytes pushed."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
-    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders
-        llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.load_weights(weights)
+    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders (apply_model: in-process here)
+        llm.apply_model(lambda model: model.load_weights(weights))
     else:  # CPU: the backend pre-packs linear layers, reload_weights re-runs that processing
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if lm.config.tie_word_embeddings:  # ...except for a tied lm_head, which keeps the GEMM it packed at
@@ -932,33 +901,6 @@ def parity_tolerance(dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 0.5
 
 
-def sync_engine(llm, policy, env, probe_ids, ledger, step, bucket_mb, asleep=False) -> dict:
-    """Make the engine generate with the trainer's current weights: wake the weights (if asleep) -> push -> wake
-    the KV cache -> check parity on the probe (probe_ids None: skipped, train_step's canary checks instead). Never
-    lets vLLM reload the disk checkpoint: after a level-2 sleep its weights are garbage until this push."""
-    with timed(ledger, "sleep", env):
-        if asleep:
-            free, _ = torch.cuda.mem_get_info(env.device)
-            if free < env.engine_bytes:  # hand the trainer's cached blocks back only when vLLM needs the room
-                torch.cuda.empty_cache()  # (emptying it every step cost ~0.1 s at 1.5B, and the trainer re-allocates)
-            llm.wake_up(tags=["weights"])
-    cuda = env.device.type == "cuda"
-    if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
-        torch.cuda.reset_peak_memory_stats(env.device)
-        before = torch.cuda.memory_allocated(env.device)
-    with timed(ledger, "push", env):
-        pushed = push_weights(llm, unwrap(policy).lm, env, bucket_mb)
-    extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
-    with timed(ledger, "sleep", env):
-        if asleep:
-            llm.wake_up(tags=["kv_cache"])
-    info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
-    if probe_ids is not None:
-        with timed(ledger, "parity", env):
-            info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
-    return info
-
-
 def check_gap(gap: float, env, step, what: str) -> float:
     """Fail loudly, naming the step, when the engine does not run the trainer's weights: `gap`, the mean
     |logp_trainer - logp_vllm| over `what`, maxed over ranks (all stop alike), against the dtype's tolerance."""
@@ -987,6 +929,57 @@ def decide_sleep(env) -> bool:
     return bool(verdict[0])
 
 
+class ColocatedEngine:
+    """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop calls
+    ready() before a generate and rest() before training, and sets stale when the trainer has stepped.
+        rest()   sleep mode (CUDA): llm.sleep(level) frees the KV cache and the weights (level 1 backs them up to CPU
+                 RAM, level 2 discards them: garbage until the next push; vLLM never reloads them); else a no-op.
+        ready()  if asleep or stale, sync(): wake the weights -> push the trainer's -> wake the KV cache -> parity:
+                 the probe after the first push (after a level-2 sleep that proves every parameter name reaches
+                 vLLM), then only without the canary (IS correction on: train_step checks the sampled tokens)."""
+
+    def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
+        self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
+        self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
+        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # decided after step 1, in ready()
+        self.canary = cfg.vllm_importance_sampling_correction
+
+    def rest(self, ledger):
+        with timed(ledger, "sleep_wake", self.env):
+            if self.env.sleep:
+                self.llm.sleep(level=self.cfg.vllm_sleep_level)
+        self.asleep = self.env.sleep
+
+    def ready(self, policy, step, ledger):
+        if self.asleep or self.stale:
+            if self.auto_sleep and self.info:  # after step 1, asleep: the trainer's cached blocks still hold its peak
+                self.env.sleep, self.auto_sleep = decide_sleep(self.env), False  # does sleeping pay on this GPU?
+            self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
+            self.asleep = self.stale = False
+
+    def sync(self, policy, probe_ids, step, ledger) -> dict:
+        env, llm, cuda = self.env, self.llm, self.env.device.type == "cuda"
+        with timed(ledger, "sleep_wake", env):
+            if self.asleep:
+                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:  # hand the trainer's cached blocks
+                    torch.cuda.empty_cache()  # back only when vLLM needs the room (every step: ~0.1 s at 1.5B)
+                llm.wake_up(tags=["weights"])
+        if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
+            torch.cuda.reset_peak_memory_stats(env.device)
+            before = torch.cuda.memory_allocated(env.device)
+        with timed(ledger, "push", env):
+            pushed = push_weights(llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
+        extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
+        with timed(ledger, "sleep_wake", env):
+            if self.asleep:
+                llm.wake_up(tags=["kv_cache"])
+        info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
+        if probe_ids is not None:
+            with timed(ledger, "parity", env):
+                info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
+        return info
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The policy: the HF model, wrapped so that DDP sees the one forward GRPO needs (per-token logprobs).
 # ----------------------------------------------------------------------------------------------------------------
@@ -998,8 +991,7 @@ class Policy(nn.Module):
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
         self.lm, self.entropy_grad = lm, entropy_grad  # entropy_grad: the entropy gets a gradient (--entropy_coef)
-        # rows of fp32 logits per chunk: at most 1 GiB of them at a time, whatever the vocabulary
-        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
+        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))  # rows of fp32 logits per chunk: <= 1 GiB
 
     def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, completion_mask, temperature,
                 top_k=0, top_p=1.0):
@@ -1074,11 +1066,10 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
-    """The policy (or the frozen reference, trainable=False) ready to run on this rank.
-    DDP: every rank holds the whole model; gradients are all-reduced (averaged) in backward.
-    FSDP2 (--fsdp): every rank holds 1/world of each parameter (fp32: the master copy, and AdamW's state beside
-    it). Each decoder layer is gathered just before its forward and backward and freed after; gradients are
-    reduce-scattered, so each rank keeps only its shard. Compute in env.dtype, gradient reduction in fp32."""
+    """The policy (or the frozen reference, trainable=False) ready to run on this rank. DDP: every rank holds the whole
+    model; gradients are all-reduced (averaged) in backward. FSDP2 (--fsdp): every rank holds 1/world of each parameter
+    (fp32 masters, AdamW's state beside them); each decoder layer is gathered just before its forward and backward and
+    freed after; gradients are reduce-scattered (averaged) into shards. Compute in env.dtype, reduction in fp32."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
     if trainable and cfg.gradient_checkpointing == "true":  # keep each layer's input; recompute the rest in backward
         for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
@@ -1120,11 +1111,8 @@ def lr_lambda(cfg: Config):
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        if cfg.lr_scheduler_type == "linear":
-            return max(0.0, 1.0 - progress)
-        if cfg.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
+        return {"linear": max(0.0, 1.0 - progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+                "constant": 1.0}[cfg.lr_scheduler_type]
     return factor
 
 
@@ -1133,15 +1121,16 @@ def lr_lambda(cfg: Config):
 # ----------------------------------------------------------------------------------------------------------------
 
 def load_reward_funcs(cfg: Config):
+    """(functions, weights [F]): names from reward_fns.py, or module:function for your own (ConfigError if absent)."""
     funcs = []
     for name in cfg.reward_funcs:
-        if ":" in name:  # module:function, your own
-            module, fn = name.split(":", 1)
-            funcs.append(getattr(importlib.import_module(module), fn))
-        else:
-            funcs.append(reward_fns.REWARD_FUNCS[name])
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
-    return funcs, weights
+        module, _, fn = name.rpartition(":")
+        try:
+            funcs.append(getattr(importlib.import_module(module), fn) if module else reward_fns.REWARD_FUNCS[fn])
+        except (ImportError, AttributeError, KeyError) as e:
+            raise ConfigError(f"--reward_funcs: cannot load {name!r} ({type(e).__name__}: {e}); use one of "
+                              f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function on PYTHONPATH") from None
+    return funcs, torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
 
 
 def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
@@ -1205,7 +1194,7 @@ def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
-    """Generate G completions per prompt, score them and compute advantages. Returns this rank's batch.
+    """Generate G completions per prompt, score them and compute advantages: this rank's generation batch.
     positions: the rows' global data positions, which seed their samples."""
     G, need_logprobs = cfg.num_generations, cfg.vllm_importance_sampling_correction
     with timed(ledger, "generate", env):
@@ -1233,8 +1222,7 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
         everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
         dist.all_gather(everyone, rewards.to(env.device))
-        advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch")
-        advantages = advantages.view(env.world, -1)[env.rank]
+        advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch").view(env.world, -1)[env.rank]
     else:
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
@@ -1246,11 +1234,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     if cfg.dynamic_sampling_factor > 1:  # zero-std groups that filled a short step stay out of the loss
         loss_mask = loss_mask * (~zero_std).float().repeat_interleave(G).unsqueeze(1)
-    vllm_logps = None
-    if need_logprobs:
-        vllm_logps = torch.zeros(completion_mask.shape)
-        for i, c in enumerate(samples):
-            vllm_logps[i, :len(c.token_ids)] = torch.tensor(c.logprobs.logprobs, dtype=torch.float32)
+    vllm_logps = torch.zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), torch.tensor(  # [N, T]
+        [lp for c in samples for lp in c.logprobs.logprobs])) if need_logprobs else None  # the mask's row-major order
     return SimpleNamespace(
         prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
         advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
@@ -1269,10 +1254,10 @@ def select_groups(zero_std, keep: int) -> torch.Tensor:
     return torch.argsort(zero_std.int(), stable=True)[:keep]  # False (varies) sorts first; stable keeps the order
 
 
-def plan_micro_batches(batch, cfg, env) -> list[range]:
+def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
     """This rank's sequences cut into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every rank
     (one all_reduce): FSDP2 gathers and reduce-scatters in every micro-batch, and unequal counts would hang."""
-    lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    lengths = [len(p) + len(c) for p, c in zip(gen_batch.prompt_ids, gen_batch.completion_ids)]
     count = torch.tensor(len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch)), device=env.device)
     if env.world > 1:
         dist.all_reduce(count, op=dist.ReduceOp.MAX)
@@ -1292,13 +1277,13 @@ def micro_batch(batch, rows: range, device):
         advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
 
-def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
-    """No-grad logprobs of `model` on the whole batch ([N, T] on the CPU), in the training micro-batches: old
-    logps (num_iterations > 1) or the reference's (beta > 0)."""
-    out = torch.zeros(batch.completion_mask.shape)
+def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
+    """Logprobs of `model` on the whole generation batch, without grad ([N, T] on the CPU), cut as train_step cuts
+    it: the reference's (beta > 0), or the policy's own as the old logprobs of num_iterations > 1 (see train_step)."""
+    out = torch.zeros(gen_batch.completion_mask.shape)
     with torch.no_grad(), autocast(env):
-        for rows in plan_micro_batches(batch, cfg, env):
-            mb = micro_batch(batch, rows, env.device)
+        for rows in plan_micro_batches(gen_batch, cfg, env):
+            mb = micro_batch(gen_batch, rows, env.device)
             logps, _ = model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
             out[rows.start:rows.stop, :logps.shape[1]] = logps.float().cpu()
     reshard(model)
@@ -1310,9 +1295,8 @@ def frozen_logps(model, batch, cfg, env) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------------------------
 
 def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
-    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are
-    whole on every rank; FSDP2 gradients are shards (DTensors, in CPU RAM with offload): sum the squares of each
-    rank's shard, then all-reduce."""
+    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are whole
+    on every rank, FSDP2's are shards (DTensors; CPU RAM with offload): their squares are all-reduced."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
     sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().to(env.device)
     if any(isinstance(p.grad, DTensor) for p in params):
@@ -1325,24 +1309,25 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
     return norm
 
 
-def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_step=None) -> dict:
-    plan = plan_micro_batches(batch, cfg, env)
+def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step=None) -> dict:
+    """Returns sums over the micro-batches (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
+    plan = plan_micro_batches(gen_batch, cfg, env)
     # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
-    # GLOBAL count (sequences; tokens for dapo). DDP and FSDP2 average gradients over ranks (/ world): x world undoes
-    # that. bnpo stays a token mean per micro-batch, averaged over the micro-batches (and ranks).
-    count = batch.loss_mask.sum() if cfg.loss_type == "dapo" else batch.loss_mask.new_tensor(len(batch.loss_mask))
-    count = count.to(env.device)
+    # GLOBAL count (sequences; dapo: loss tokens) of all ranks and micro-batches. DDP and FSDP2 both average gradients
+    # over ranks (/ world): x world undoes that. bnpo: a token mean per micro-batch, averaged over them (and ranks).
+    mask = gen_batch.loss_mask  # [N, T]
+    count = (mask.sum() if cfg.loss_type == "dapo" else mask.new_tensor(len(mask))).to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
-    num_items, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
+    global_count, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
     sums = {}  # token-weighted sums of the per-micro-batch stats, for logging: tensors until the step ends (a
     # float() per stat and micro-batch would stall the GPU each time while the host catches up)
 
     def add(name, value, weight=1.0):
         sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
 
-    with timed(ledger, "train", env):
-        micro_batches = [micro_batch(batch, rows, env.device) for rows in plan]  # host work and copies, all first:
+    with timed(ledger, "fwd_bwd", env):
+        micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # host work and copies, first:
         for i, mb in enumerate(micro_batches):  # then the GPU runs the micro-batches back to back, never waiting
             # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
             # unsharded gradients across micro-batches would cost a full model's worth of memory.
@@ -1351,6 +1336,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
             with sync:
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
+                # Old logprobs. num_iterations 1: this forward's, detached (the engine sampled with these weights and
+                # no update comes between micro-batches: ratio = 1, gradient = that of logp, no extra forward). > 1:
+                # run() froze them (no_grad_logps) before the first of the steps on this generation batch.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -1359,14 +1347,14 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
                                                          cfg.vllm_importance_sampling_clip_max)
                 threshold = None if cfg.top_entropy_quantile == 1 else \
                     entropy_quantile(entropy, mb.loss_mask, 1 - cfg.top_entropy_quantile, env.world)
-                loss, stats = grpo_loss(
+                loss, loss_stats = grpo_loss(
                     logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
                     cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    num_items, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
+                    global_count, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
                 (loss * loss_scale).backward()
             tokens = mb.loss_mask.sum()
             add("loss", loss * loss_scale)
-            for k, v in stats.items():
+            for k, v in loss_stats.items():
                 add(k, v, tokens)
             add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
@@ -1377,10 +1365,10 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
                 add("is_masked", ((w == 0).float() * m).sum())
             add("tokens", tokens)
             add("completion_tokens", mb.completion_mask.sum())
-    sums = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
-    if canary_step is not None:  # the canary (see train()), before the update: a stale engine's rollout never trains
-        gap = sums["logprob_gap"] / sums["completion_tokens"]  # NaN: the trainer's own non-finite step, skipped below
-        sums["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
+    stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
+    if canary_step is not None:  # the canary (see ColocatedEngine), before the update: a stale engine never trains
+        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step, skipped below
+        stats["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
         grad_norm = clip_grad_norm([p for p in policy.parameters() if p.grad is not None], cfg.max_grad_norm, env)
         # a NaN/inf loss makes the gradient non-finite; the norm is global, so every rank decides alike
@@ -1389,8 +1377,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, canary_ste
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    sums["grad_norm"], sums["skipped"] = grad_norm.item(), float(not finite)
-    return sums
+    stats["grad_norm"], stats["skipped"] = grad_norm.item(), float(not finite)
+    return stats
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1411,12 +1399,11 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position: int) -> str:
-    """checkpoint-<step>/: the policy in HF format (fp32 full tensors gathered to rank 0, loadable by transformers
-    and vLLM), the tokenizer, the flags (grpo_config.json), the AdamW state (optimizer/, torch.distributed.checkpoint:
-    every rank writes its own shard, and a DDP checkpoint resumes under FSDP2 or another world size) and
-    trainer_state.pt (step, data position, scheduler: plain numbers). Written to a temp dir and renamed last: a kill
-    at any point leaves either the complete checkpoint or a .tmp dir that resume ignores. With LoRA: the adapter
-    in peft's format (adapter/, what resume reads), and the merged HF weights in the final checkpoint only."""
+    """checkpoint-<step>/: the policy in HF format (fp32, gathered to rank 0; transformers and vLLM load it), the
+    tokenizer, the flags (grpo_config.json), AdamW (optimizer/, torch.distributed.checkpoint: a shard per rank; it
+    resumes under DDP or FSDP2, any world size), trainer_state.pt (step, data position, scheduler: plain numbers).
+    Written to a temp dir, renamed last: a kill leaves the complete checkpoint or a .tmp dir that resume ignores. LoRA:
+    adapter/ in peft's format (what resume reads); merged HF weights in the final checkpoint only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1491,9 +1478,9 @@ def sample_memory(env, memory: dict):
                                        torch.cuda.max_memory_allocated(env.device) / 2**30)
 
 
-def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
+def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
     """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
-    s = batch.stats
+    s = gen_batch.stats
     local = {
         "reward": s["rewards"].sum(), "reward_sq": (s["rewards"] ** 2).sum(), "n": float(len(s["rewards"])),
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
@@ -1501,30 +1488,29 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
-        **{k: v for k, v in train_sums.items() if k not in ("grad_norm", "skipped", "canary_gap")},
+        **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
     }
-    keys = list(local)
-    totals = torch.tensor([float(local[k]) for k in keys], dtype=torch.float64, device=env.device)
+    totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
-    t = dict(zip(keys, totals.tolist()))
+    t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     n, tokens, ctoks = t["n"], max(t["tokens"], 1.0), max(t["completion_tokens"], 1.0)
     mean = t["reward"] / n
     m = {
         "reward": mean, "reward_std": math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1)),
-        **{k: t[k] / n for k in keys if k.startswith("rewards/")},
+        **{k: t[k] / n for k in t if k.startswith("rewards/")},
         "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
         "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
         "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
-        "loss": t["loss"] / env.world,  # each rank logged its loss x world (see train_step): the sum / world
-        "entropy": t["entropy"] / ctoks, "grad_norm": train_sums["grad_norm"],
+        "loss": t["loss"] / env.world,  # each rank logged loss x loss_scale (see train_step): / world = the batch's
+        "entropy": t["entropy"] / ctoks, "grad_norm": train_stats["grad_norm"],
         **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl") if k in t},
     }
     if "logprob_gap" in t:
         m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
                   "is_weight/masked": t["is_masked"] / ctoks})
-    m.update({**sync_info, **{k: train_sums[k] for k in ["canary_gap"] if k in train_sums}})  # a max over ranks
+    m.update({**sync_info, **{k: train_stats[k] for k in ["canary_gap"] if k in train_stats}})  # a max over ranks
     step_time = sum(ledger.values())
     m.update({**{f"time/{k}": v for k, v in ledger.items()}, "time/step": step_time,
               "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
@@ -1535,7 +1521,7 @@ def reduce_metrics(cfg, env, batch, train_sums, ledger, memory, n_params, sync_i
                   "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
     if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
         trained = t["prompt_tokens"] + t["len"]  # over the train phases
-        m["mfu"] = 6 * n_params * trained / env.world / (ledger["train"] + ledger["optimizer"]) / peak
+        m["mfu"] = 6 * n_params * trained / env.world / (ledger["fwd_bwd"] + ledger["optimizer"]) / peak
     if env.device.type == "cuda":  # the trainer's peak (+ the engine's pool); trainer + engine, seen by the driver
         m.update({f"memory/{k}_gib": memory.get(k, 0.0) for k in ("peak_allocated", "device_used")})
     return m
@@ -1566,38 +1552,39 @@ def make_tracker(cfg: Config) -> SimpleNamespace:
     return SimpleNamespace(close=lambda: None, log=lambda m: None, table=lambda step, rows: None)
 
 
-def log_completions(cfg, step, batch, reward_funcs, tracker):
+def log_completions(cfg, step, gen_batch, reward_funcs, tracker):
     """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the tracker's table."""
-    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": batch.advantages[i].item(),
-             **{fn.__name__: batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
-            for i, (prompt, text) in enumerate(batch.texts[:cfg.num_completions_to_print or None])]
+    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": gen_batch.advantages[i].item(),
+             **{fn.__name__: gen_batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
+            for i, (prompt, text) in enumerate(gen_batch.texts[:cfg.num_completions_to_print or None])]
     open(os.path.join(cfg.output_dir, "completions.jsonl"), "a").writelines(json.dumps(row) + "\n" for row in rows)
     tracker.table(step, rows)
 
 
 def log_line(step, max_steps, m) -> str:
+    """trunc: completion_clipped_ratio, clip: clip_ratio/region, vllm_gap: logprob_gap, probe_gap: parity_gap."""
     rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
                         if k.startswith("rewards/"))
     parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
-             f"len {m['completion_length/mean']:.0f} clip {m['completion_clipped_ratio']:.2f}",
-             f"loss {m['loss']:+.4f}", f"ent {m['entropy']:.2f}"]
-    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "gap")) if key in m]
+             f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
+             f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}", f"ent {m['entropy']:.2f}"]
+    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"),
+                                                       ("parity_gap", "probe_gap")) if key in m]
     ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
-    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"] + [f"mfu {100 * v:.0f}%" for v in [m.get("mfu")] if v]
-    return " | ".join(parts)
+    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
+    return " | ".join(parts + ([f"mfu {100 * m['mfu']:.0f}%"] if m.get("mfu") else []))
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# main: set up, then the loop as phase banners: generate -> score -> advantages -> train -> push -> log.
+# The run: set up data, engine and policy, then the loop of steps: generate -> score -> advantages -> train -> push
+# -> log, each under a phase banner. main() below: check the inputs, start the process group, run, tear down.
 # ----------------------------------------------------------------------------------------------------------------
 
-def train(cfg: Config, env, model_config, data):
+def run(cfg: Config, env, model_config, data):
     from tqdm import tqdm
 
-    start_step, data_position, state = 0, 0, None  # data_position: prompts drawn so far, by all ranks together
-    if cfg.resume_from_checkpoint:
-        state = read_checkpoint_state(cfg.resume_from_checkpoint)
-        start_step, data_position = state["step"], state["data_position"]
+    state = read_checkpoint_state(cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+    start_step, data_position = (state["step"], state["data_position"]) if state else (0, 0)  # prompts drawn, all ranks
 
     # ---- data (loaded and checked in main, before the process group) ----
     tokenizer, train_rows, eval_rows = data
@@ -1608,28 +1595,8 @@ def train(cfg: Config, env, model_config, data):
     G = cfg.num_generations
     prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
     prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # generated for: dynamic sampling
-    llm = make_engine(cfg, env, model_config)
-    engine = SimpleNamespace(asleep=False, stale=True, info={},  # stale: forces the first push and parity check
-                             auto_sleep=env.sleep and cfg.vllm_enable_sleep_mode == "auto")  # decided after step 1
-    # the canary: with vLLM's sampled-token logprobs (IS on) train_step checks their gap for free; else the probe
-    gap_canary = cfg.vllm_importance_sampling_correction
-
-    def rest_engine(ledger):
-        """Free the engine's GPU memory for the trainer (sleep mode; a no-op on CPU)."""
-        with timed(ledger, "sleep", env):
-            if env.sleep:
-                llm.sleep(level=cfg.vllm_sleep_level)
-        engine.asleep = env.sleep
-
-    def ready_engine(step, ledger):
-        """Before the engine generates: awake, and holding the trainer's weights (wake, push, canary)."""
-        if engine.asleep or engine.stale:
-            probe = None if gap_canary and engine.info else probe_ids  # the first push: it proves the name mapping
-            engine.info = sync_engine(llm, policy, env, probe, ledger, step, cfg.weight_push_bucket_mb, engine.asleep)
-            engine.asleep = engine.stale = False
-
-    ledger = {}
-    rest_engine(ledger)
+    engine, ledger = ColocatedEngine(cfg, env, model_config, probe_ids), {}
+    engine.rest(ledger)
 
     # ---- the policy, the reference, the optimizer ----
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
@@ -1646,8 +1613,8 @@ def train(cfg: Config, env, model_config, data):
     cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
     reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
-    trainable = [p for p in policy.parameters() if p.requires_grad]  # with LoRA: the adapters only
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
+                                  lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
@@ -1660,11 +1627,11 @@ def train(cfg: Config, env, model_config, data):
            f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
            f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "
            f"{prompts_per_rank * G} completions, in packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens "
-           f"({env.attention}) | global batch "
-           f"{prompts_per_rank * G * env.world} completions ({prompts_per_rank * env.world} prompts)\n"
-           f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs "
-           f"{min(prompts_drawn * G * env.tp, 512)}, sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
-           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if gap_canary else 'probe'}"
+           f"({env.attention}) | global batch {prompts_per_rank * G * env.world} completions "
+           f"({prompts_per_rank * env.world} prompts)\nengine: max_model_len "
+           f"{cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs {min(prompts_drawn * G * env.tp, 512)}, "
+           f"sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
+           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if engine.canary else 'probe'}"
            f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
     metrics_path, tracker = os.path.join(cfg.output_dir, "metrics.jsonl"), make_tracker(cfg) if env.is_main else None
@@ -1675,17 +1642,17 @@ def train(cfg: Config, env, model_config, data):
                 f.write(json_line(record) + "\n")
             tracker.log(record)  # the same keys
 
-    ready_engine(start_step, ledger)  # the first push also checks that vLLM maps every parameter name
+    engine.ready(policy, start_step, ledger)  # the first push, checked on the probe
     print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
-        base = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+        base = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
         print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
         write_metrics({"step": 0, **base})
 
     bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (env.is_main and sys.stderr.isatty()), desc="grpo")
-    batch, skipped_in_a_row, skipped_total = None, 0, 0
-    iteration = cfg.num_iterations  # optimizer steps taken on the current batch: none yet, so generate first
+    gen_batch, skipped_in_a_row, skipped_total = None, 0, 0
+    iteration = cfg.num_iterations  # optimizer steps taken on gen_batch: none yet, so generate first
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
         if env.device.type == "cuda":
@@ -1695,31 +1662,30 @@ def train(cfg: Config, env, model_config, data):
         if iteration == cfg.num_iterations:  # (a resumed run starts here too, even mid-way through a cycle)
             # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
             positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
-            if batch is None:
+            if gen_batch is None:
                 check_distinct_shards(positions, env)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this generation
             iteration = 0
-            ready_engine(step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
-            batch = rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
+            engine.ready(policy, step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
+            gen_batch = rollout(engine.llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer's state
-            rest_engine(ledger)  # the trainer gets the GPU
-            # ======== frozen logprobs: only when something needs them (no extra forward otherwise) ========
+            engine.rest(ledger)  # the trainer gets the GPU
+            # ======== no-grad logprobs: the reference's (beta > 0), old ones (num_iterations > 1: see train_step) ====
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1:
-                    batch.old_logps = frozen_logps(unwrap(policy), batch, cfg, env)
+                    gen_batch.old_logps = no_grad_logps(unwrap(policy), gen_batch, cfg, env)
                 if reference is not None:  # LoRA: the reference is the base, i.e. the policy with its adapters off
                     with unwrap(policy).lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        batch.ref_logps = frozen_logps(reference, batch, cfg, env)
+                        gen_batch.ref_logps = no_grad_logps(reference, gen_batch, cfg, env)
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
         lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
-        train_sums = train_step(policy, optimizer, scheduler, batch, cfg, env, ledger, step if gap_canary else None)
+        canary_step = step if engine.canary else None
+        train_stats = train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step)
         sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
-        if engine.auto_sleep:  # the trainer's peak is known now: does sleeping pay on this GPU?
-            env.sleep, engine.auto_sleep = decide_sleep(env), False
-        if train_sums["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
+        if train_stats["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
             skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
-            print0(f"step {step}: non-finite loss or gradient (grad norm {train_sums['grad_norm']}), skipped")
+            print0(f"step {step}: non-finite loss or gradient (grad norm {train_stats['grad_norm']}), skipped")
             if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
                 raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
                                    "gradient; lower --learning_rate, check the reward functions for NaN/inf, or "
@@ -1736,36 +1702,36 @@ def train(cfg: Config, env, model_config, data):
 
         # ======== push: the new weights go to the engine before it generates again ========
         if engine.stale and (iteration == cfg.num_iterations or step == cfg.max_steps):
-            ready_engine(step, ledger)
+            engine.ready(policy, step, ledger)
 
         # ======== log ========
         synchronize(env)  # what no phase timed (batching, advantages, ...): the ledger sums to the step's wall time
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         m = None
         if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            m = {"step": step, "lr": lr, "skipped_steps": skipped_total,
-                 **reduce_metrics(cfg, env, batch, train_sums, ledger, memory, flop_params, engine.info, reward_funcs)}
+            m = {"step": step, "lr": lr, "skipped_steps": skipped_total, **reduce_metrics(
+                cfg, env, gen_batch, train_stats, ledger, memory, flop_params, engine.info, reward_funcs)}
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, m))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
             eval_time = {}
             with timed(eval_time, "eval", env):
-                ready_engine(step, eval_time)  # awake already, unless mid-way through num_iterations
-                ev = evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+                engine.ready(policy, step, eval_time)  # awake already, unless mid-way through num_iterations
+                ev = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
                 if iteration < cfg.num_iterations:  # mid-way through a generation batch: the trainer needs the GPU
-                    rest_engine(eval_time)
+                    engine.rest(eval_time)
             print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
             m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
         if m is not None:
             write_metrics(m)
             if cfg.log_completions and env.is_main:
-                log_completions(cfg, step, batch, reward_funcs, tracker)
+                log_completions(cfg, step, gen_batch, reward_funcs, tracker)
         bar.update(1)
     bar.close()
     if env.is_main:
         tracker.close()
         plot_curves(cfg.output_dir)
-    return llm
+    return engine.llm
 
 
 def check_inputs(argv=None):
@@ -1787,7 +1753,7 @@ def main(argv=None):
     cfg, model_config, data = check_inputs(argv)
     env = setup_distributed(cfg)
     try:
-        llm = train(cfg, env, model_config, data)
+        llm = run(cfg, env, model_config, data)
     except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
         # other ranks down (within seconds) instead of leaving them waiting in a collective
         if not isinstance(e, ConfigError):

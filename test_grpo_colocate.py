@@ -92,7 +92,7 @@ MASKED_SUM = sum(ROW0) + ROW1[0] + ROW1[1]  # 5 active tokens
     ("grpo", (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 2),  # per-sequence means, then the batch mean
     ("bnpo", MASKED_SUM / 5),  # token mean over the batch
     ("dr_grpo", MASKED_SUM / (2 * 4)),  # B * max_completion_length (= 4)
-    ("dapo", MASKED_SUM / 5),  # num_items=None: this batch's tokens
+    ("dapo", MASKED_SUM / 5),  # global_count=None: this batch's tokens
 ])
 def test_grpo_loss_normalisations(loss_type, expected):
     loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_type, 0.2, 0.2, max_completion_length=4)
@@ -104,11 +104,11 @@ def test_grpo_loss_normalisations(loss_type, expected):
 
 
 def test_grpo_loss_global_counts():
-    # num_items: the global batch's tokens (dapo) or sequences (grpo, dr_grpo), over all ranks and micro-batches
-    assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", num_items=10)[0], MASKED_SUM / 10)
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "grpo", num_items=8)
+    # global_count: the global batch's tokens (dapo) or sequences (grpo, dr_grpo), over all ranks and micro-batches
+    assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", global_count=10)[0], MASKED_SUM / 10)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "grpo", global_count=8)
     assert close(loss, (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 8)
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo", max_completion_length=4, num_items=8)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo", max_completion_length=4, global_count=8)
     assert close(loss, MASKED_SUM / (8 * 4))
 
 
@@ -807,8 +807,8 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
     env = gc.setup_distributed(cfg)
     env.sleep, engine, events, train_step = True, RecordingEngine(), [], gc.train_step
 
-    def sync_engine(llm, *args):  # the wake + push + parity check
-        llm.awake = True
+    def sync(self, *args):  # the wake + push + parity check
+        self.llm.awake = True
         events.append("push")
         return {"parity_gap": 0.0}
 
@@ -816,11 +816,11 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
         events.append("train, engine " + ("awake" if engine.awake else "asleep"))
         return train_step(*args)
     monkeypatch.setattr(gc, "make_engine", lambda *args: engine)
-    monkeypatch.setattr(gc, "sync_engine", sync_engine)
+    monkeypatch.setattr(gc.ColocatedEngine, "sync", sync)
     monkeypatch.setattr(gc, "train_step", recording_train_step)
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
     try:
-        gc.train(cfg, env, None, (tok, rows, rows[:1]))
+        gc.run(cfg, env, None, (tok, rows, rows[:1]))
     finally:
         dist.destroy_process_group()
     # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
@@ -1315,7 +1315,7 @@ REQUIRED_KEYS = [
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
     "grad_norm", "logprob_gap", "is_weight/mean", "canary_gap", "time/generate", "time/reward", "time/logprobs",
-    "time/train", "time/optimizer", "time/push", "time/sleep", "time/other", "time/step", "tokens_per_sec_per_gpu",
+    "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "tokens_per_sec_per_gpu",
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
 LEARNS = ["--reward_funcs", "accuracy_reward", "format_reward", "reward_len", "--reward_weights", "1", "1", "0.01"]
@@ -1367,7 +1367,8 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
         bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
     assert "eval/accuracy_reward" in steps[-1]
-    assert "step 2/2 | reward" in proc.stdout  # the stdout line
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 | reward"))  # the stdout line
+    assert all(label in line for label in (" trunc ", " clip ", " vllm_gap ", " sleep_wake ", " fwd_bwd ")), line
 
 
 def test_e2e_engine_checked_every_step(two_rank_run):
@@ -1822,10 +1823,12 @@ cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--num_gener
                      "--max_prompt_length", "96", "--max_completion_length", "16", "--num_eval", "4"])
 env = gc.setup_distributed(cfg)
 tokenizer, rows, eval_rows = gc.prepare_data(cfg)
-llm = gc.make_engine(cfg, env, gc.load_model_config(cfg))
-policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
 probe = eval_rows[0]["prompt_ids"] + tokenizer("#### 1", add_special_tokens=False)["input_ids"]
-result = {{"fresh": gc.sync_engine(llm, policy, env, probe, {{}}, 0, 1)["parity_gap"]}}
+engine = gc.ColocatedEngine(cfg, env, gc.load_model_config(cfg), probe)
+llm = engine.llm
+policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
+engine.ready(policy, 0, {{}})  # the first push, checked on the probe
+result = {{"fresh": engine.info["parity_gap"]}}
 funcs, weights = gc.load_reward_funcs(cfg)
 
 def sample(seeds, prompts, torch_seed=0):  # per-request seeds, as rollout passes them

@@ -120,7 +120,9 @@ def sleep_bench(out, argv):
     """Sleep levels measured, then the trained-weights proof: one real GRPO step, a level-2 sleep and a wake
     with the push skipped (the parity check and the sampled-token canary must fail), then the push (it must pass)."""
     cfg, env, tokenizer, rows, model_config = setup([*argv, "--vllm_enable_sleep_mode", "true"])
-    llm = gc.make_engine(cfg, env, model_config)
+    probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
+    engine = gc.ColocatedEngine(cfg, env, model_config, probe)
+    llm = engine.llm
 
     def free_gib():
         torch.cuda.synchronize()
@@ -151,12 +153,9 @@ def sleep_bench(out, argv):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
     funcs, weights = gc.load_reward_funcs(cfg)
-    probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
     ledger = {}
-    llm.sleep(level=2)  # as the trainer does: the engine sleeps while the policy loads, then gets it pushed
-    bucket = cfg.weight_push_bucket_mb
-    report["parity_gap_before_training"] = gc.sync_engine(llm, policy, env, probe, ledger, 0, bucket,
-                                                          asleep=True)["parity_gap"]
+    engine.rest(ledger)  # as the trainer does: the engine sleeps (level 2) while the policy loads, then gets it pushed
+    report["parity_gap_before_training"] = engine.sync(policy, probe, 0, ledger)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     batch = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, 0, 0, per_rank, cfg.seed)[::-1], funcs,
                        weights, ledger)
@@ -177,9 +176,8 @@ def sleep_bench(out, argv):
     except RuntimeError as e:  # expected: "step 1: vLLM and the trainer disagree on the tokens vLLM sampled ..."
         report["sampled_gap_stale_caught"] = str(e).split(". The engine")[0]
     optimizer.zero_grad(set_to_none=True)
-    llm.sleep(level=2)
-    report["parity_gap_after_push"] = gc.sync_engine(llm, policy, env, probe, ledger, 1, bucket,
-                                                     asleep=True)["parity_gap"]
+    engine.rest(ledger)
+    report["parity_gap_after_push"] = engine.sync(policy, probe, 1, ledger)["parity_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)
@@ -198,10 +196,10 @@ def summarize(name, metrics_path, standalone_path, skip=2):
     if os.path.exists(standalone_path):
         alone = json.load(open(standalone_path))
     step = med("time/step")
-    phases = ["generate", "reward", "logprobs", "train", "optimizer", "push", "sleep", "parity"]
+    phases = ["generate", "reward", "logprobs", "fwd_bwd", "optimizer", "push", "sleep_wake", "parity"]
     split = {p: med(f"time/{p}") for p in phases}
-    colocation = split["push"] + split["sleep"] + split["parity"]
-    other = step - split["generate"] - split["train"] - split["optimizer"] - split["logprobs"]
+    colocation = split["push"] + split["sleep_wake"] + split["parity"]
+    other = step - split["generate"] - split["fwd_bwd"] - split["optimizer"] - split["logprobs"]
     row = {
         "name": name, "steps": len(steps), "step_s": step, **{f"{p}_s": v for p, v in split.items()},
         "tok_s_gpu": med("tokens_per_sec_per_gpu"), "gen_tok_s_gpu": med("generate_tokens_per_sec_per_gpu"),

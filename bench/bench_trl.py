@@ -39,13 +39,13 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")  # TRL's trainers send te
 # so we time the same blocks here, synchronising the GPU at both ends) -> our phases:
 #   vLLM.generate       -> generate: the llm.generate call alone (GRPOTrainer._generate_single_turn)
 #   sync_weights        -> push: VLLMGeneration.sync_weights = empty_cache + wake_up(weights) + load_weights, one call
-#                          per parameter + reset_prefix_cache; the wake_up in it goes to "sleep"
+#                          per parameter + reset_prefix_cache; the wake_up in it goes to "sleep_wake"
 #   _calculate_rewards  -> reward: the reward functions, then a gather of the rewards across ranks (it waits for them)
 #   _get_per_token_logps_and_entropies entered without grad -> logprobs: the no-grad forward over the whole generation
 #                          batch for the old logps (always when vllm_importance_sampling_correction, TRL's default) and
 #                          the reference's (beta > 0). With grad it is the training forward: "train".
-# sleep: the engine's sleep(level=2) / wake_up() calls, timed by wrapping them (no TRL timer covers the kv_cache wake
-# and the sleep in VLLMGeneration.generate). train = time/step - all of the above: tokenising, decoding, padding,
+# sleep_wake: the engine's sleep(level=2) / wake_up() calls, timed by wrapping them (no TRL timer covers the kv_cache
+# wake and the sleep in VLLMGeneration.generate). train = time/step - all of the above: tokenising, decoding, padding,
 # gathers, training forward/backward, clipping and the optimizer step.
 PHASES = {"vLLM.generate": "generate", "sync_weights": "push", "_calculate_rewards": "reward"}
 TRL_KWARGS = ("completion_ids", "trainer_state", "log_extra", "log_metric", "environments")
@@ -143,15 +143,15 @@ def install_timers(meter: Meter):
                                           and not torch.is_grad_enabled() else None)
         if self.phase:
             meter.sync()
-            self.started, self.slept = time.perf_counter(), meter.ledger.get("sleep", 0.0)
+            self.started, self.slept = time.perf_counter(), meter.ledger.get("sleep_wake", 0.0)
         return self
 
     def exit_(self, *exc):
         if self.phase:
             meter.sync()
             took = time.perf_counter() - self.started
-            if self.phase == "push":  # the wake_up(weights) inside sync_weights is counted as "sleep"
-                took -= meter.ledger.get("sleep", 0.0) - self.slept
+            if self.phase == "push":  # the wake_up(weights) inside sync_weights is counted as "sleep_wake"
+                took -= meter.ledger.get("sleep_wake", 0.0) - self.slept
             meter.add(self.phase, took)
             if self.phase == "generate":
                 meter.sample_memory()  # the engine awake with its KV cache, beside the trainer's state
@@ -260,7 +260,7 @@ def train(out_dir: str, argv: list[str]):
 
     generation = trainer.vllm_generation
     for method in ("sleep", "wake_up"):  # TRL has no timer around these
-        setattr(generation.llm, method, meter.timed("sleep", getattr(generation.llm, method)))
+        setattr(generation.llm, method, meter.timed("sleep_wake", getattr(generation.llm, method)))
     generate = generation.generate
 
     def checked_generate(prompts, *args, **kwargs):  # the token ids TRL made vs those ours generates from
@@ -288,12 +288,13 @@ def compare(ours_path: str, trl_path: str, name: str, skip: int = 2):
         return statistics.median([sum(m.get(k) or 0.0 for k in keys) for m in steps]) if steps else 0.0
 
     row = {"name": name}
-    for who, path, colocation in (("ours", ours_path, ("push", "sleep", "parity")),
-                                  ("trl", trl_path, ("push", "sleep"))):
+    runs = (("ours", ours_path, ("push", "sleep_wake", "parity"), ("fwd_bwd", "optimizer")),
+            ("trl", trl_path, ("push", "sleep_wake"), ("train",)))  # TRL's train: all the rest of its step
+    for who, path, colocation, train in runs:
         steps = load(path)
         split = {"generate": med(steps, "time/generate"), "reward": med(steps, "time/reward"),
                  "push_sleep": med(steps, *(f"time/{p}" for p in colocation)), "logprobs": med(steps, "time/logprobs"),
-                 "train": med(steps, "time/train", "time/optimizer")}
+                 "train": med(steps, *(f"time/{p}" for p in train))}
         row.update({f"{who}_steps": len(steps), f"{who}_step_s": med(steps, "time/step"),
                     f"{who}_tok_s_gpu": med(steps, "tokens_per_sec_per_gpu"),
                     **{f"{who}_{k}_s": v for k, v in split.items()},
