@@ -1705,10 +1705,32 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
         assert len(state) == len(list(tiny_llama().parameters())) and {s["step"].item() for s in state.values()} == {step}  # AdamW's moments carried on
 
 
+VLLM_PROMPT_LOGPROBS = '''
+import json, sys
+from vllm import LLM, SamplingParams
+ids = json.loads(sys.argv[2])
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=16 << 20, max_model_len=64,
+          seed=0, load_format="safetensors")
+out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+print("RESULT", json.dumps([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]))
+'''
+
+
+def vllm_prompt_logprobs(model_dir, ids, tmp_path):
+    """log p(ids[t] | ids[:t]) for t >= 1, scored by a fresh vLLM engine (fp32, CPU) loading model_dir."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_HOST_IP": "127.0.0.1"}
+    proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, model_dir, json.dumps(ids)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return torch.tensor(json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0]))
+
+
 def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
     parity check after every push of merged weights, adapter checkpoints; TensorBoard, logged completions and the
-    curves; DAPO dynamic sampling. Then resume from checkpoint-1 under DDP: the same step 2."""
+    curves; DAPO dynamic sampling; the final merged weights load in transformers and in a fresh vLLM engine (the
+    same logprobs). Then resume from checkpoint-1 under DDP: the same step 2."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1755,6 +1777,18 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     assert not torch.equal(merged[name], base.state_dict()[name])  # what the engine got moved...
     want = PeftModel.from_pretrained(base, os.path.join(ckpt2, "adapter")).merge_and_unload().state_dict()
     assert all(torch.allclose(merged[n], want[n], atol=1e-6) for n in want)  # ...from the untouched base
+    ids = tok("Checkpoints: the adapter, and merged weights that vLLM loads as a plain model.")["input_ids"]
+
+    def hf_logprobs(model):  # log p(ids[t] | ids[:t]) for t >= 1, [T - 1]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1]
+        return logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    from_vllm = vllm_prompt_logprobs(ckpt2, ids, tmp_path)  # the merged checkpoint, in a fresh engine
+    vllm_gap, base_gap = ((from_vllm - hf_logprobs(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)))
+                          .abs().mean() for path in (ckpt2, model_dir))
+    assert vllm_gap < 1e-4, vllm_gap  # vLLM runs the merged checkpoint as transformers does (fp32: ~4e-7)...
+    assert base_gap > 1e-2, base_gap  # ...and that is not the base model (~9e-2): the adapter moved it
     run_trainer([*flags, "--save_steps", "-1", "--output_dir", resumed, "--resume_from_checkpoint", ckpt1])
     want, got = steps[1], [r for r in read_metrics(resumed) if r["step"] == 2][0]
     assert got["reward"] == want["reward"] and got["completion_length/mean"] == want["completion_length/mean"]
