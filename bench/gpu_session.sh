@@ -15,7 +15,9 @@
 #   smol      SmolLM2-135M, ours vs TRL (its defaults): the fixed and the variable-length workloads
 #   ours15    the 1.5B shape, ours only: fixed and variable lengths; then the push A/B (bench/push_ab.py)
 #   trl15 [W] the 1.5B shape, TRL only (its defaults): fixed and/or varlen (compare on the CPU afterwards)
-#   push      bench/push_ab.py on the 1.5B shape (after ours15 made it)
+#   push      bench/push_ab.py on the 1.5B shape (made first if missing)
+#   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
+#             tree, alternating old, new, old, new
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -62,7 +64,19 @@ ours15)
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape; keep "$(latest qwen2.5-1.5b)" fixed-1.5b
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape "${V[@]}"; keep "$(latest qwen2.5-1.5b)" varlen-1.5b
   python3 bench/push_ab.py "$M15" > "$OUT/push_ab.txt" 2>&1; grep "median" "$OUT/push_ab.txt" ;;
+ab)
+  A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+     --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
+     --max_steps 20 --eval_steps 0 --save_steps -1)
+  for i in 1 2; do
+    for code in old new; do
+      dir=.; [ $code = old ] && dir=.stage/old
+      (cd $dir && python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${A[@]}" \
+        --output_dir /tmp/ab-$code-$i > "$OUT/ab-$code-$i.log" 2>&1); cp /tmp/ab-$code-$i/metrics.jsonl "$OUT/ab-$code-$i.jsonl"
+    done
+  done ;;
 push)
+  [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > /dev/null 2>&1
   python3 bench/push_ab.py "$M15" > "$OUT/push_ab.txt" 2>&1; grep "median" "$OUT/push_ab.txt" || tail -20 "$OUT/push_ab.txt" ;;
 trl15)
   varlen_data

@@ -13,7 +13,8 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_USE_FLASHINFER_SAMPLER"):  # as grpo_colocate.py sets them
+    os.environ.setdefault(key, "0")
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
 import torch  # noqa: E402
 
