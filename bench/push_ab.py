@@ -67,7 +67,6 @@ def main():
     for name in ways:
         print(f"{name}: median {statistics.median(times[name][1:]):.4f} s for {gb:.2f} GB "
               f"(all: {' '.join(f'{t:.4f}' for t in times[name][1:])}), probe gap after push {gaps[name]:.4f}")
-    del llm
     torch.distributed.destroy_process_group()
 
 
