@@ -1127,6 +1127,8 @@ def load_reward_funcs(cfg: Config):
         module, _, fn = name.rpartition(":")
         try:
             funcs.append(getattr(importlib.import_module(module), fn) if module else reward_fns.REWARD_FUNCS[fn])
+            if not callable(funcs[-1]):
+                raise AttributeError(f"{fn} is not a function")
         except (ImportError, AttributeError, KeyError) as e:
             raise ConfigError(f"--reward_funcs: cannot load {name!r} ({type(e).__name__}: {e}); use one of "
                               f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function on PYTHONPATH") from None

@@ -615,6 +615,10 @@ def test_output_dir_not_writable(tmp_path):
 def test_reward_module_missing():
     with pytest.raises(gc.ConfigError, match="--reward_funcs"):
         gc.parse_args(["--reward_funcs", "no_such_module_xyz:reward"])
+    with pytest.raises(gc.ConfigError, match="--reward_funcs.*no_such_fn"):  # a module without it
+        gc.parse_args(["--reward_funcs", "reward_fns:no_such_fn"])
+    with pytest.raises(gc.ConfigError, match="REWARD_FUNCS is not a function"):  # there, but no function
+        gc.parse_args(["--reward_funcs", "reward_fns:REWARD_FUNCS"])
 
 
 def test_resume_latest_needs_a_complete_checkpoint(tmp_path):
