@@ -288,8 +288,9 @@ def compare(ours_path: str, trl_path: str, name: str, skip: int = 2):
         return statistics.median([sum(m.get(k) or 0.0 for k in keys) for m in steps]) if steps else 0.0
 
     row = {"name": name}
-    runs = (("ours", ours_path, ("push", "sleep_wake", "parity"), ("fwd_bwd", "optimizer")),
-            ("trl", trl_path, ("push", "sleep_wake"), ("train",)))  # TRL's train: all the rest of its step
+    # TRL's train: all the rest of its step. "sleep" and our "train": the same phases in files written before issue 17
+    runs = (("ours", ours_path, ("push", "sleep_wake", "sleep", "parity"), ("fwd_bwd", "train", "optimizer")),
+            ("trl", trl_path, ("push", "sleep_wake", "sleep"), ("train",)))
     for who, path, colocation, train in runs:
         steps = load(path)
         split = {"generate": med(steps, "time/generate"), "reward": med(steps, "time/reward"),
