@@ -961,8 +961,8 @@ class ColocatedEngine:
         env, llm, cuda = self.env, self.llm, self.env.device.type == "cuda"
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
-                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:  # hand the trainer's cached blocks
-                    torch.cuda.empty_cache()  # back only when vLLM needs the room (every step: ~0.1 s at 1.5B)
+                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:  # the trainer's cached blocks go back
+                    torch.cuda.empty_cache()  # only when vLLM needs the room (every step, it cost ~0.1 s at 1.5B)
                 llm.wake_up(tags=["weights"])
         if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
             torch.cuda.reset_peak_memory_stats(env.device)
@@ -1024,24 +1024,27 @@ def autocast(env):
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
-                     **kwargs):
+                     gqa=None, **kwargs):
     """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
     kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from pack). Grouped-query
-    attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies)."""
+    attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies); gqa:
+    the keyword torch >= 2.12 wants for that, found once by load_lm."""
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, (kv_)heads, D]
                for x in (query, key, value))
-    gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}  # torch >= 2.12
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                      window_size=(-1, 0), **gqa)  # (-1, 0): causal
+                      window_size=(-1, 0), **(gqa or {}))  # (-1, 0): causal
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
 
 
 def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.Module:
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    AttentionInterface.register("varlen", varlen_attention)
+    if attention == "varlen":  # enable_gqa: asked for by torch >= 2.12 (2.11 shares grouped KV heads unasked)
+        from torch.nn.attention.varlen import varlen_attn
+        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+        AttentionInterface.register("varlen", functools.partial(varlen_attention, gqa=gqa))
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention,
                                               use_safetensors=True, trust_remote_code=trust_remote_code)
     lm.config.use_cache = False
@@ -1282,13 +1285,15 @@ def micro_batch(batch, rows: range, device):
 def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
     """Logprobs of `model` on the whole generation batch, without grad ([N, T] on the CPU), cut as train_step cuts
     it: the reference's (beta > 0), or the policy's own as the old logprobs of num_iterations > 1 (see train_step)."""
-    out = torch.zeros(gen_batch.completion_mask.shape)
+    plan = plan_micro_batches(gen_batch, cfg, env)
+    micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # copies first, as in train_step
     with torch.no_grad(), autocast(env):
-        for rows in plan_micro_batches(gen_batch, cfg, env):
-            mb = micro_batch(gen_batch, rows, env.device)
-            logps, _ = model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
-            out[rows.start:rows.stop, :logps.shape[1]] = logps.float().cpu()
+        logps = [model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
+                 for mb in micro_batches]  # [b, T] each
     reshard(model)
+    out = torch.zeros(gen_batch.completion_mask.shape)
+    for rows, lp in zip(plan, logps):  # to the host once every forward is queued
+        out[rows.start:rows.stop, :lp.shape[1]] = lp.float().cpu()
     return out
 
 
