@@ -16,6 +16,8 @@
 #   ours15    the 1.5B shape, ours only: fixed and variable lengths; then the push A/B (bench/push_ab.py)
 #   trl15 [W] the 1.5B shape, TRL only (its defaults): fixed and/or varlen (compare on the CPU afterwards)
 #   push      bench/push_ab.py on the 1.5B shape (made first if missing)
+#   7b STEPS  the 7B shape, FSDP2 on 2 GPUs, 128 completions per GPU and step (the defaults' 16 x 8), 5 steps; STEPS of
+#             make (the shape), pre11 (the code before issue 11, carried in .stage/pre11), main, lora (main + --use_peft)
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 set -uo pipefail
@@ -64,6 +66,22 @@ ours15)
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape; keep "$(latest qwen2.5-1.5b)" fixed-1.5b
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape "${V[@]}"; keep "$(latest qwen2.5-1.5b)" varlen-1.5b
   python3 bench/push_ab.py "$M15" > "$OUT/push_ab.txt" 2>&1; grep "median" "$OUT/push_ab.txt" ;;
+7b)
+  M7=$HOME/.cache/grpo_colocate/qwen2.5-7b-random
+  S=(--fsdp --per_device_train_batch_size 16 --gradient_accumulation_steps 8 --max_steps 5)
+  for w in ${2:-make main}; do
+    case $w in
+    make) [ -f "$M7/config.json" ] || python3 bench/bench.py make-model qwen2.5-7b "$M7" "$SMOL" > "$OUT/make7b.txt" 2>&1
+          tail -1 "$OUT/make7b.txt" ;;
+    pre11) (cd .stage/pre11 && timeout 500 python3 -m torch.distributed.run --standalone --nproc_per_node 2 grpo_colocate.py \
+             --model "$M7" "${W[@]}" "${S[@]}" --output_dir "$OUT/7b-pre11" > "$OUT/7b-pre11.log" 2>&1)
+           tail -4 "$OUT/7b-pre11.log" ;;  # (no checkpoints: save_steps -1; metrics.jsonl comes back if the call dies)
+    main) NPROC=2 STANDALONE=0 timeout 540 bash run.sh bench qwen2.5-7b-shape "${S[@]}" > "$OUT/7b-main.txt" 2>&1
+          keep "$(latest qwen2.5-7b)" 7b-main; tail -3 "$OUT/7b-main.txt" ;;
+    lora) NPROC=2 STANDALONE=0 timeout 540 bash run.sh bench qwen2.5-7b-shape "${S[@]}" --use_peft --learning_rate 1e-5 \
+            > "$OUT/7b-lora.txt" 2>&1; keep "$(latest qwen2.5-7b)" 7b-lora; tail -3 "$OUT/7b-lora.txt" ;;
+    esac
+  done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
      --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
