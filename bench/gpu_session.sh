@@ -18,6 +18,8 @@
 #   push      bench/push_ab.py on the 1.5B shape (made first if missing)
 #   7b STEPS  the 7B shape, FSDP2 on 2 GPUs, 128 completions per GPU and step (the defaults' 16 x 8), 5 steps; STEPS of
 #             make (the shape), pre11 (the code before issue 11, carried in .stage/pre11), main, lora (main + --use_peft)
+#   loragap   the trainer/vLLM logprob gap at step 1, full vs LoRA (bf16 base, and fp32 base: .stage/lorafp32), SmolLM2
+#             and the 1.5B shape
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 set -uo pipefail
@@ -81,6 +83,21 @@ ours15)
     lora) NPROC=2 STANDALONE=0 timeout 540 bash run.sh bench qwen2.5-7b-shape "${S[@]}" --use_peft --learning_rate 1e-5 \
             > "$OUT/7b-lora.txt" 2>&1; keep "$(latest qwen2.5-7b)" 7b-lora; tail -3 "$OUT/7b-lora.txt" ;;
     esac
+  done ;;
+loragap)
+  A=(--num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4 --max_completion_length 128
+     --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant --eval_steps 0 --save_steps -1)
+  M15=$HOME/.cache/grpo_colocate/qwen2.5-1.5b-random
+  for model in ${2:-smol 1.5b}; do
+    m=$SMOL; steps=4; [ $model = 1.5b ] && { m=$M15; steps=3
+      [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > /dev/null 2>&1; }
+    for v in full fsdp lora lorafp32; do
+      dir=.; flags=(); case $v in fsdp) flags=(--fsdp);; lora) flags=(--use_peft);;
+        lorafp32) flags=(--use_peft); dir=.stage/lorafp32;; esac
+      (cd $dir && timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py --model "$m" \
+        "${A[@]}" --max_steps $steps "${flags[@]}" --output_dir "$OUT/gap-$model-$v" > "$OUT/gap-$model-$v.log" 2>&1)
+      grep -h "^step\|^world" "$OUT/gap-$model-$v.log" | cut -c1-200
+    done
   done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
