@@ -19,7 +19,7 @@
 #   7b STEPS  the 7B shape, FSDP2 on 2 GPUs, 128 completions per GPU and step (the defaults' 16 x 8), 5 steps; STEPS of
 #             make (the shape), pre11 (the code before issue 11, carried in .stage/pre11), main, lora (main + --use_peft)
 #   loragap   the trainer/vLLM logprob gap at step 1, full vs LoRA (bf16 base, and fp32 base: .stage/lorafp32), SmolLM2
-#             and the 1.5B shape
+#             and the 1.5B shape (MODELS: smol 1.5b; VARIANTS=... a subset of full fsdp lora lorafp32)
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 set -uo pipefail
@@ -91,7 +91,7 @@ loragap)
   for model in ${2:-smol 1.5b}; do
     m=$SMOL; steps=4; [ $model = 1.5b ] && { m=$M15; steps=3
       [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > /dev/null 2>&1; }
-    for v in full fsdp lora lorafp32; do
+    for v in ${VARIANTS:-full fsdp lora lorafp32}; do
       dir=.; flags=(); case $v in fsdp) flags=(--fsdp);; lora) flags=(--use_peft);;
         lorafp32) flags=(--use_peft); dir=.stage/lorafp32;; esac
       (cd $dir && timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py --model "$m" \
