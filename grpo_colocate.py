@@ -1092,14 +1092,14 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
 def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool]:
     """(token budget, activation checkpointing): the auto values of --max_tokens_per_microbatch and
     --gradient_checkpointing, from an estimate of the peak per rank: 16 bytes per parameter and shard (fp32 weights,
-    grads, AdamW m, v; + 2: a bf16 reference), and per budget token 120 x hidden x layers bytes of activations
+    grads, AdamW m, v; + 4: the reference), and per budget token 120 x hidden x layers bytes of activations
     (measured at 1.5B: 9,664 packed tokens took 46 GiB), or 4 x hidden x layers + 120 x hidden with checkpointing
     (each layer's input; one layer's activations). Room: 85% of the GPU, less the engine's share when it stays awake.
     auto checkpointing: on when fewer than 4,096 tokens would fit without it. The CPU: 8192, no checkpointing."""
     budget, flag = cfg.max_tokens_per_microbatch, cfg.gradient_checkpointing
     if env.device.type != "cuda":
         return budget or 8192, flag == "true"
-    per_param = 0 if cfg.fsdp_cpu_offload else (16 + 2 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
+    per_param = 0 if cfg.fsdp_cpu_offload else (16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
     room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes) - \
         per_param * sum(p.numel() for p in lm.parameters())
     hidden, layers = lm.config.hidden_size, lm.config.num_hidden_layers
@@ -1614,8 +1614,8 @@ def run(cfg: Config, env, model_config, data):
     # (autocast computes in bf16 either way; a bf16 base rounds the residual stream: a 1.5x trainer/vLLM gap at 1.5B)
     n_params, flop_params = sum(p.numel() for p in lm.parameters()), matmul_params(lm)
     reference = None
-    if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, in the engine's dtype (only run without grad)
-        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).to(env.dtype).requires_grad_(False)
+    if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, fp32 as the policy: the same logps at step 0
+        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
     budget, checkpointing = memory_plan(cfg, lm, env)  # the auto sizes, from the model and this GPU (printed below)
     cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())

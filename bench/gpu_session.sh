@@ -20,6 +20,7 @@
 #             make (the shape), pre11 (the code before issue 11, carried in .stage/pre11), main, lora (main + --use_peft)
 #   loragap   the trainer/vLLM logprob gap at step 1, full vs LoRA (bf16 base, and fp32 base: .stage/lorafp32), SmolLM2
 #             and the 1.5B shape (MODELS: smol 1.5b; VARIANTS=... a subset of full fsdp lora lorafp32)
+#   refkl     the KL at step 1 (policy = reference) with --beta 0.04: reference in bf16 (.stage/refbf16) vs fp32 (SmolLM2)
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 set -uo pipefail
@@ -98,6 +99,16 @@ loragap)
         "${A[@]}" --max_steps $steps "${flags[@]}" --output_dir "$OUT/gap-$model-$v" > "$OUT/gap-$model-$v.log" 2>&1)
       grep -h "^step\|^world" "$OUT/gap-$model-$v.log" | cut -c1-200
     done
+  done ;;
+refkl)
+  A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+     --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --eval_steps 0 --save_steps -1
+     --beta 0.04 --max_steps 2)
+  for v in refbf16 reffp32; do
+    dir=.; [ $v = refbf16 ] && dir=.stage/refbf16
+    (cd $dir && timeout 250 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${A[@]}" \
+      --output_dir "$OUT/kl-$v" > "$OUT/kl-$v.log" 2>&1)
+    grep -h "^step" "$OUT/kl-$v.log" | cut -c1-160
   done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
