@@ -108,7 +108,7 @@ refkl)
     dir=.; [ $v = refbf16 ] && dir=.stage/refbf16
     (cd $dir && timeout 250 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${A[@]}" \
       --output_dir "$OUT/kl-$v" > "$OUT/kl-$v.log" 2>&1)
-    grep -h "^step" "$OUT/kl-$v.log" | cut -c1-160
+    grep -h "^step" "$OUT/kl-$v.log"
   done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
