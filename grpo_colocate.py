@@ -494,46 +494,99 @@ def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
     return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
 
 
-def _logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1.0, entropy_grad=False):
-    """One chunk: log softmax(h W^T / temperature)[target] and the (full distribution's) entropy. hidden: [N, H],
-    targets: [N]. top_k / top_p: logp = logit_target - logsumexp over the kept set + the target (finite in bf16)."""
-    logits = F.linear(hidden, weight).float() / temperature  # [N, V] in fp32
-    kept = logits
-    if top_k > 0 or top_p < 1:
-        mask = top_k_top_p_mask(logits.detach(), top_k, top_p).scatter_(-1, targets.unsqueeze(-1), True)  # [N, V]
-        kept = logits.masked_fill(~mask, -math.inf)  # [N, V]
-    logps = kept.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(kept, dim=-1)  # [N]
-    with nullcontext() if entropy_grad else torch.no_grad():  # a gradient only for --entropy_coef
-        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N], H =
-        # logz - sum_v p_v * logit_v
-    return logps, entropy
+def logit_stats(z, targets, temperature, keep=None):
+    """One chunk's logits z [n, V] -> (logp of the targets, entropy, logsumexp over the kept set, logsumexp), [n]
+    each, in fp32. keep: [n, V], the tokens vLLM's top-k/top-p sampler keeps (None: all of them)."""
+    z = z.float() / temperature  # [n, V]
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's, whatever is kept
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [n]
+    lse_kept = lse
+    if keep is not None:
+        lse_kept = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # [n]
+    logps = z.gather(-1, targets[:, None]).squeeze(-1) - lse_kept  # [n]
+    return logps, entropy, lse_kept, lse
 
 
-# CUDA runs the chunk compiled: torch.compile fuses the fp32 upcast, log-sum-exp, gather and entropy into a few
-# kernels that never write an fp32 [N, V] copy: 2.4-2.9x faster at the same numbers (BENCHMARKS.md, section 0).
-_compiled_logprobs_and_entropy = torch.compile(_logprobs_and_entropy, dynamic=True)
+def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logps, grad_entropy):
+    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH of its rows ([n] each):
+        d logp / dz = onehot(target) - p_kept        d H / dz = -p (log p + H)        (then / temperature)
+    with p the full distribution and p_kept the one renormalised over the kept set."""
+    z32 = z.float() / temperature  # [n, V]
+    log_p = z32 - lse[:, None]  # [n, V]
+    p = log_p.exp()
+    p_kept = p
+    if keep is not None:
+        p_kept = torch.exp(z32 - lse_kept[:, None]).masked_fill(~keep, 0.0)
+    dz = -grad_logps[:, None] * p_kept - grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    dz = dz.scatter_add(-1, targets[:, None], grad_logps[:, None])
+    return (dz / temperature).to(z.dtype)
+
+
+# On CUDA both run compiled: each becomes one or two fused kernels over the chunk's bf16 logits, where eager PyTorch
+# makes several passes over an fp32 copy. Neither builds an autograd graph, so compiling them takes seconds.
+COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """Per-token logprobs and entropies of the rows of hidden [N, H] (weight: the lm_head [V, H]), chunk_size rows
+    at a time, so [N, V] logits never exist at once. Forward keeps only [N] statistics; backward recomputes each
+    chunk's logits (one extra lm_head matmul) and takes their gradient from logit_grads."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
+        # the matmuls run in autocast's dtype when it is on (backward runs outside autocast: keep it for there)
+        device = hidden.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+        stats = COMPILED[logit_stats] if hidden.is_cuda else logit_stats
+        w = weight.to(dtype)  # [V, H]
+        logps, entropy, lse_kept, lse = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4))
+        for start in range(0, len(hidden), chunk_size):
+            rows = slice(start, start + chunk_size)
+            z = F.linear(hidden[rows].to(dtype), w)  # [n, V]
+            keep = kept_tokens(z, targets[rows], temperature, top_k, top_p)
+            logps[rows], entropy[rows], lse_kept[rows], lse[rows] = stats(z, targets[rows], temperature, keep)
+        ctx.save_for_backward(hidden, weight, targets, lse_kept, lse, entropy)
+        ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets no gradient: None
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, targets, lse_kept, lse, entropy = ctx.saved_tensors
+        temperature, top_k, top_p, chunk_size, dtype = ctx.args
+        grads = COMPILED[logit_grads] if hidden.is_cuda else logit_grads
+        grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps  # [N]
+        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy  # [N]
+        w = weight.to(dtype)  # [V, H]
+        grad_hidden = torch.empty_like(hidden)  # [N, H]
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H], summed over chunks in fp32
+        for start in range(0, len(hidden), chunk_size):
+            rows = slice(start, start + chunk_size)
+            h = hidden[rows].to(dtype)  # [n, H]
+            z = F.linear(h, w)  # [n, V]
+            keep = kept_tokens(z, targets[rows], temperature, top_k, top_p)
+            dz = grads(z, targets[rows], temperature, keep, lse_kept[rows], lse[rows], entropy[rows],
+                       grad_logps[rows], grad_entropy[rows])  # [n, V]
+            grad_hidden[rows] = dz @ w
+            grad_weight += (dz.T @ h).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def kept_tokens(z, targets, temperature, top_k, top_p):
+    """[n, V] bool: the tokens the sampler keeps (top_k_top_p_mask), plus the target, whose logp stays finite where
+    bf16 noise moved it across the boundary; None when nothing is filtered."""
+    if top_k == 0 and top_p == 1:
+        return None
+    return top_k_top_p_mask(z.float() / temperature, top_k, top_p).scatter_(-1, targets[:, None], True)
 
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
                      entropy_grad=False):
-    """Per-token logprobs and entropies, chunk_size rows at a time, so [N, V] fp32 logits never exist at once.
-
-    Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed in
-    backward (one extra lm_head matmul) instead of storing N x V floats. hidden: [N, H], targets: [N].
-    """
-    chunk = _compiled_logprobs_and_entropy if hidden.is_cuda else _logprobs_and_entropy  # CPU: eager, no compiler
-    logps, entropies = [], []
-    for rows in (slice(start, start + chunk_size) for start in range(0, hidden.shape[0], chunk_size)):
-        args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p, entropy_grad)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(chunk, *args, use_reentrant=False)
-        else:
-            lp, ent = chunk(*args)
-        logps.append(lp)
-        entropies.append(ent)
-    if not logps:
-        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
-    return torch.cat(logps), torch.cat(entropies)  # [N], [N]
+    """(logps, entropies) [N] of the rows of hidden [N, H] for targets [N] (top-k/top-p: over the kept set). The
+    entropy carries a gradient only with entropy_grad (--entropy_coef); otherwise it is logged, or ranks tokens."""
+    logps, entropy = TokenLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p, chunk_size)
+    return logps, entropy if entropy_grad else entropy.detach()
 
 
 def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
@@ -1074,6 +1127,13 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
     (fp32 masters, AdamW's state beside them); each decoder layer is gathered just before its forward and backward and
     freed after; gradients are reduce-scattered (averaged) into shards. Compute in env.dtype, reduction in fp32."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
+    # CUDA: compile each layer's RMSNorms and MLP, where eager PyTorch spends a kernel per elementwise op (the
+    # norm's square, mean, rsqrt and scales; SwiGLU's silu and product; their backward): fused, they cost 17% less
+    # at 1.5B (BENCHMARKS.md section 10). Dynamic shapes: one compile serves every micro-batch length.
+    for layer in lm.get_decoder().layers if env.device.type == "cuda" else ():
+        for name, module in layer.named_children():
+            if name == "mlp" or name.endswith("norm"):
+                module.compile(dynamic=True)
     if trainable and cfg.gradient_checkpointing == "true":  # keep each layer's input; recompute the rest in backward
         for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)

@@ -21,6 +21,11 @@
 #   loragap   the trainer/vLLM logprob gap at step 1, full vs LoRA (bf16 base, and fp32 base: .stage/lorafp32), SmolLM2
 #             and the 1.5B shape (MODELS: smol 1.5b; VARIANTS=... a subset of full fsdp lora lorafp32)
 #   refkl     the KL at step 1 (policy = reference) with --beta 0.04: reference in bf16 (.stage/refbf16) vs fp32 (SmolLM2)
+#   s10 STEPS issue 24 (BENCHMARKS.md section 10): STEPS of make (the 1.5B shape), old15 (the code before issue 24,
+#             carried in .stage/old, on the 1.5B shape), new15 (the working tree: the same run, then generation against
+#             standalone vLLM), trl15 (ours, then TRL at its defaults, one call), smol (ours vs TRL, fixed and natural
+#             lengths), learn (40 steps, ours vs TRL, LEARN_SEEDS), resume (a resume's step 1), default (run.sh's GPU
+#             default run, 20 steps, old vs new)
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 set -uo pipefail
@@ -109,6 +114,54 @@ refkl)
     (cd $dir && timeout 250 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${A[@]}" \
       --output_dir "$OUT/kl-$v" > "$OUT/kl-$v.log" 2>&1)
     grep -h "^step" "$OUT/kl-$v.log"
+  done ;;
+s10)
+  for w in ${2:-make}; do
+    case $w in
+    make) [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > "$OUT/make15.txt" 2>&1
+          tail -1 "$OUT/make15.txt" ;;
+    old15) (cd .stage/old && timeout 240 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py \
+              --model "$M15" "${W[@]}" --output_dir /tmp/s10-old15 > "$OUT/s10-old15.log" 2>&1)
+           cp /tmp/s10-old15/metrics.jsonl "$OUT/s10_old15.jsonl"; grep -h "^step" "$OUT/s10-old15.log" | cut -c1-230 ;;
+    new15) timeout 330 bash run.sh bench qwen2.5-1.5b-shape > "$OUT/s10-new15.txt" 2>&1
+           keep "$(latest qwen2.5-1.5b)" s10-new15; tail -4 "$OUT/s10-new15.txt" ;;
+    trl15) TRL_FLAGS=--trl_defaults timeout 540 bash run.sh compare qwen2.5-1.5b-shape > "$OUT/s10-trl15.txt" 2>&1
+           keep "$(latest qwen2.5-1.5b)" s10-cmp15; tail -4 "$OUT/s10-trl15.txt" ;;
+    smol) varlen_data
+          TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m > "$OUT/s10-smol.txt" 2>&1
+          keep "$(latest smollm2-135m)" s10-fixed-smol
+          TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m "${V[@]}" >> "$OUT/s10-smol.txt" 2>&1
+          keep "$(latest smollm2-135m)" s10-varlen-smol; grep -A3 "ours / TRL\|step s" "$OUT/s10-smol.txt" | tail -12 ;;
+    learn) L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+              --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
+              --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0)
+           for seed in ${LEARN_SEEDS:-42}; do
+             python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" --seed $seed \
+               --output_dir /tmp/s10-learn-ours-s$seed > "$OUT/s10-learn-ours-s$seed.log" 2>&1
+             python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train \
+               /tmp/s10-learn-trl-s$seed "${L[@]}" --seed $seed --trl_defaults > "$OUT/s10-learn-trl-s$seed.log" 2>&1
+             cp /tmp/s10-learn-ours-s$seed/metrics.jsonl "$OUT/s10_learn_ours-s$seed.jsonl"
+             cp /tmp/s10-learn-trl-s$seed/metrics.jsonl "$OUT/s10_learn_trl-s$seed.jsonl"
+           done ;;
+    resume) R=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+               --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --eval_steps 0)
+            python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${R[@]}" --max_steps 4 \
+              --save_steps 2 --output_dir /tmp/s10-resume > "$OUT/s10-resume-full.log" 2>&1
+            python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${R[@]}" --max_steps 8 \
+              --save_steps -1 --output_dir /tmp/s10-resumed --resume_from_checkpoint /tmp/s10-resume/checkpoint-2 \
+              > "$OUT/s10-resume-half.log" 2>&1
+            cp /tmp/s10-resume/metrics.jsonl "$OUT/s10_resume_full.jsonl"; cp /tmp/s10-resumed/metrics.jsonl "$OUT/s10_resumed.jsonl"
+            grep -h "^step" "$OUT/s10-resume-full.log" "$OUT/s10-resume-half.log" | cut -c1-200 ;;
+    default) A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+                --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
+                --max_steps 20 --eval_steps 0 --save_steps -1)
+             for code in old new; do
+               dir=.; [ $code = old ] && dir=.stage/old
+               (cd $dir && python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${A[@]}" \
+                 --output_dir /tmp/s10-default-$code > "$OUT/s10-default-$code.log" 2>&1)
+               cp /tmp/s10-default-$code/metrics.jsonl "$OUT/s10_default_$code.jsonl"; grep -h "^step 20" "$OUT/s10-default-$code.log" | cut -c1-200
+             done ;;
+    esac
   done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
