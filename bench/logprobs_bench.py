@@ -10,6 +10,8 @@ no TF32, the whole [N, V] log_softmax at once). Keep the fastest variant whose d
 `current` is the trainer's: under autocast the lm_head matmul runs in bf16, its logits are copied to fp32 and the
 log-sum-exp and entropy run in fp32; in backward each chunk's logits are recomputed (checkpoint). torch.compile of
 the chunk can fuse the fp32 upcast into the reductions, so that no fp32 [N, V] copy is made.
+Section 0's driver: it imports the chunk of its day (`gc._logprobs_and_entropy`), which issue 24 replaced by
+`TokenLogprobs` (bench/precision_bench.py measures that one): run it beside `git show 5b8bd57:grpo_colocate.py`.
 """
 
 import argparse
