@@ -67,6 +67,7 @@ import time
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from types import SimpleNamespace
 
 # vLLM reads these when it is imported (lazily, in make_engine), so they are set first. Your own values win.
@@ -190,6 +191,8 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
+    ddp_timeout: int = arg(1800, "seconds a collective may wait before the run fails: the other "
+                           "ranks wait this long while rank 0 writes a checkpoint (NCCL watchdog)")
     report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
     log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
     num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
@@ -306,12 +309,13 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
+    need(cfg.ddp_timeout >= 1, "ddp_timeout", "must be >= 1 (seconds; HF's default: 1800)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
         read_checkpoint_state(cfg.resume_from_checkpoint)
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
-    try:  # every rank checks, so that every rank reaches the same verdict without a collective
+    try:  # on every rank: each writes its own checkpoint shards there
         os.makedirs(cfg.output_dir, exist_ok=True)
         probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
         open(probe, "w").close()
@@ -557,7 +561,7 @@ def derive_seed(*parts) -> int:
 # Distributed setup: ranks from torchrun's environment, tensor-parallel groups of consecutive ranks.
 # ----------------------------------------------------------------------------------------------------------------
 
-def setup_distributed(cfg: Config) -> SimpleNamespace:
+def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNamespace:
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -575,10 +579,16 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
         # share the cores among this host's processes, before vLLM pins its threads (then set_num_threads is a no-op)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    # any collective, barriers included, may wait this long (the other ranks, while rank 0 saves)
+    timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, device_id=device if cuda else None, timeout=timeout)
+    if world > 1:
+        agree_on_inputs(cfg, error, rank, world)
     tp = cfg.vllm_tensor_parallel_size
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours must be the same groups
-    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
+    groups = [list(range(i, i + tp)) for i in range(0, world, tp)]
+    tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
@@ -590,6 +600,30 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
         push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
         attention="varlen" if cuda else "sdpa",  # packed attention: torch's varlen kernel, or sdpa + a block mask
     )
+
+
+def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: int):
+    """A path local to a node (--dataset, --model, --output_dir) can fail the checks on some ranks
+    only: then all stop here alike, none left waiting. Every rank writes checkpoint shards into
+    --output_dir, so it must be one directory: each looks there for a new file that rank 0 made."""
+    marker = [""]
+    if rank == 0 and not error:
+        marker = [f".shared-{os.urandom(8).hex()}"]
+        open(os.path.join(cfg.output_dir, marker[0]), "w").close()
+    dist.broadcast_object_list(marker)  # its name, sent once the file exists
+    if marker[0] and not error and not os.path.exists(os.path.join(cfg.output_dir, marker[0])):
+        error = ConfigError(f"--output_dir: {cfg.output_dir!r} is not the directory of rank 0 "
+                            "(a disk of each node?); pass a directory that every node shares")
+    errors = [None] * world
+    dist.all_gather_object(errors, error and f"{error} (rank {rank})")
+    if marker[0] and rank == 0:
+        os.remove(os.path.join(cfg.output_dir, marker[0]))
+    failed = [e for e in errors if e]
+    if failed:
+        if rank == 0:  # the first failed rank's message
+            print(f"error: {failed[0]}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
 
 
 def print0(*args):
@@ -1744,24 +1778,26 @@ def run(cfg: Config, env, model_config, data):
 
 def check_inputs(argv=None):
     """Bad input: one message, before any process group, model or engine exists (run.sh runs this alone first)."""
+    cfg = None  # -> (cfg, (model config, data), None); torchrun's ranks: (cfg or None, None, error)
     try:
         cfg = parse_args(argv)
         for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS") * (not cfg.verbose):
             os.environ.setdefault(key, "1")  # no loading/saving bars (transformers, datasets), read at their import
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
-        return cfg, model_config, prepare_data(cfg)
-    except ConfigError as e:  # identical on every rank: each exits without touching a collective
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        return cfg, (model_config, prepare_data(cfg)), None
+    except ConfigError as e:
+        if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks
+            return cfg, None, e
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def main(argv=None):
-    cfg, model_config, data = check_inputs(argv)
-    env = setup_distributed(cfg)
+    cfg, inputs, error = check_inputs(argv)
+    env = setup_distributed(cfg, error)  # a bad input on any rank stops every rank here
     try:
-        llm = run(cfg, env, model_config, data)
+        llm = run(cfg, env, *inputs)
     except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
         # other ranks down (within seconds) instead of leaving them waiting in a collective
         if not isinstance(e, ConfigError):

@@ -10,6 +10,8 @@
 No mocks of vLLM or the model in the end-to-end tests.
 """
 
+import dataclasses
+import datetime
 import json
 import math
 import os
@@ -523,6 +525,7 @@ def test_parse_args_types_and_bools():
     (["--entropy_coef", "nan"], "--entropy_coef"),
     (["--dynamic_sampling_factor", "0.5"], "--dynamic_sampling_factor"),
     (["--dynamic_sampling_factor", "inf"], "--dynamic_sampling_factor"),
+    (["--ddp_timeout", "0"], "--ddp_timeout"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -581,16 +584,19 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
-def test_decide_sleep_measures_once_and_says_why(world_of_one, monkeypatch, capsys):
-    GiB = 1 << 30  # an 80 GiB GPU and an engine share of 26 GiB: the margin is 8 GiB, so up to 46 GiB in use fit
-    env = SimpleNamespace(device=torch.device("cpu"), engine_bytes=26 * GiB)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GiB, 80 * GiB))  # 40 GiB in use
-    assert gc.decide_sleep(env) is False
-    assert "sleep mode auto: off (the trainer's step-1 peak 40.0 GiB + the engine's 26.0 + 10% <= 80.0 GiB)" in \
-        capsys.readouterr().out
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * GiB, 80 * GiB))  # 50 GiB in use
-    assert gc.decide_sleep(env) is True
-    assert "sleep mode auto: on (the trainer's step-1 peak 50.0 GiB" in capsys.readouterr().out
+def test_process_group_waits_ddp_timeout(monkeypatch):
+    """Every collective (the barriers while rank 0 saves) waits --ddp_timeout seconds, not the backend's default
+    (NCCL: 10 minutes); our TP groups too."""
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    env = gc.setup_distributed(gc.Config(ddp_timeout=4321))
+    try:
+        for group in (None, env.tp_group):
+            backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+            assert backend.options._timeout == datetime.timedelta(seconds=4321)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_gap_check_names_the_step(world_of_one):
@@ -1488,40 +1494,69 @@ def dump(prompts, completions, **columns):  # what each rank sampled, and the se
 '''
 
 
-def test_e2e_two_nodes_on_one_host(tmp_path):
+TWO_NODES = ["--num_generations", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+             "--max_prompt_length", "96", "--max_completion_length", "8", "--num_eval", "4", "--max_steps", "1",
+             "--eval_steps", "0", "--save_steps", "-1"]
+
+
+def launch_two_nodes(tmp_path, node_flags, timeout=600):
     """Two torchrun "nodes" of one process each, started together as on a cluster: RANK 0 and 1, LOCAL_RANK 0 on
-    both. One real step with the tiny random Llama: both finish, the parity check passes, and the two engines
-    sampled with different seeds (a seed from LOCAL_RANK would repeat across nodes)."""
+    both. node_flags: each node's flags. Returns the exit codes and each node's output."""
+    port, logs = free_port(), [str(tmp_path / f"node{n}.log") for n in range(2)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DUMP_DIR": str(tmp_path),
+           "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+         "--master_addr=127.0.0.1", f"--master_port={port}", os.path.join(HERE, "grpo_colocate.py"), *node_flags[n]],
+        cwd=HERE, env=env, stdout=open(logs[n], "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        for n in range(2)]
+    try:
+        codes = [node.wait(timeout=timeout) for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                os.killpg(node.pid, signal.SIGKILL)
+    return codes, [open(log).read() for log in logs]
+
+
+def test_e2e_two_nodes_on_one_host(tmp_path):
+    """Two nodes, one real step with the tiny random Llama: both finish, the parity check passes, and the two
+    engines sampled with different seeds (a seed from LOCAL_RANK would repeat across nodes)."""
     from transformers import AutoTokenizer
 
     model_dir = str(tmp_path / "tiny-llama")
     tiny_llama(vocab=len(AutoTokenizer.from_pretrained(MODEL)), hidden=256).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
     (tmp_path / "dump_reward.py").write_text(DUMP_REWARD)
-    out, port, logs = str(tmp_path / "out"), free_port(), [str(tmp_path / f"node{n}.log") for n in range(2)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DUMP_DIR": str(tmp_path),
-           "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
-         "--master_addr=127.0.0.1", f"--master_port={port}", os.path.join(HERE, "grpo_colocate.py"),
-         "--model", model_dir, "--num_generations", "4", "--per_device_train_batch_size", "4",
-         "--gradient_accumulation_steps", "1", "--max_prompt_length", "96", "--max_completion_length", "8",
-         "--num_eval", "4", "--max_steps", "1", "--eval_steps", "0", "--save_steps", "-1",
-         "--reward_funcs", "dump_reward:dump", "--output_dir", out],
-        cwd=HERE, env=env, stdout=open(logs[n], "w"), stderr=subprocess.STDOUT, start_new_session=True)
-        for n in range(2)]
-    try:
-        codes = [node.wait(timeout=600) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
-    assert codes == [0, 0], [open(log).read()[-4000:] for log in logs]
-    assert "world 2 = 2 engine(s) x tp 1" in open(logs[0]).read()
+    out = str(tmp_path / "out")
+    flags = ["--model", model_dir, *TWO_NODES, "--reward_funcs", "dump_reward:dump", "--output_dir", out]
+    codes, logs = launch_two_nodes(tmp_path, [flags, flags])
+    assert codes == [0, 0], [log[-4000:] for log in logs]
+    assert "world 2 = 2 engine(s) x tp 1" in logs[0]
     assert read_metrics(out)[-1]["canary_gap"] < 1e-4
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert [r["local_rank"] for r in ranks] == ["0", "0"]
     assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
+
+
+@pytest.mark.parametrize("flag", ["output_dir", "dataset"])
+def test_e2e_two_nodes_refuse_a_path_local_to_a_node(tmp_path, flag):
+    """A path on each node's own disk: --output_dir (two directories: every rank writes its own checkpoint
+    shards, and rank 0's checkpoint would miss node 1's), or a --dataset file that node 1 lacks. Both nodes stop
+    before any engine starts, with the error naming the flag; none waits for the other in a collective."""
+    data = tmp_path / "node0" / "data.jsonl"  # only on node 0's disk
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    nodes = []
+    for n in range(2):
+        dataset = tmp_path / f"node{n}" / "data.jsonl" if flag == "dataset" else data
+        output_dir = tmp_path / f"node{n}" / "out" if flag == "output_dir" else tmp_path / "out"
+        nodes.append(["--model", MODEL, *TWO_NODES, "--dataset", str(dataset), "--output_dir", str(output_dir)])
+    codes, logs = launch_two_nodes(tmp_path, nodes, timeout=300)  # (a hang: rank 0 would wait for 30 minutes)
+    assert 0 not in codes, [log[-4000:] for log in logs]
+    assert f"error: --{flag}: " in logs[0] and "(rank 1)" in logs[0], logs[0][-4000:]
+    assert "engine ready" not in logs[0] + logs[1]
+    assert not list(tmp_path.rglob(".shared-*"))  # rank 0's marker file is gone
 
 
 # ------------------------------------------------------------------------------------------------------------
