@@ -165,7 +165,7 @@ class Config:
     vllm_gpu_memory_utilization: float = arg(0.3, "fraction of the GPU the engine takes (weights + KV cache)")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per engine; consecutive ranks form a TP group")
     vllm_enable_sleep_mode: str = arg("auto", "free the engine's GPU memory while training: true | false | auto "
-                                      "(CUDA: sleep in step 1, then only if trainer + engine do not fit at once)")
+                                      "(CUDA: on unless the trainer's planned peak fits beside it)")
     vllm_sleep_level: int = arg(2, "1: weights offloaded to CPU RAM; 2: weights discarded (re-pushed each step)")
     dtype: str = arg("auto", "engine weights and trainer autocast: bfloat16 | float32 | auto (bfloat16 on GPU, "
                      "float32 on CPU); master weights and optimizer state are always float32")
@@ -948,21 +948,6 @@ def check_gap(gap: float, env, step, what: str) -> float:
     return gap
 
 
-def sleep_needed(trainer_bytes: int, engine_bytes: int, total_bytes: int, margin_bytes: int) -> bool:
-    return trainer_bytes + engine_bytes + margin_bytes > total_bytes  # auto: sleep unless all of it fits at once
-
-
-def decide_sleep(env) -> bool:
-    """auto, after step 1 (engine asleep: the trainer's cached blocks still hold its peak). Sleep if any rank must."""
-    free, total = torch.cuda.mem_get_info(env.device)
-    verdict = torch.tensor([sleep_needed(total - free, env.engine_bytes, total, total // 10), total - free],
-                           dtype=torch.float64, device=env.device)  # margin 10%: later completions may be longer
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    print0(f"sleep mode auto: {'on' if verdict[0] else 'off'} (the trainer's step-1 peak {verdict[1] / 2**30:.1f} GiB +"
-           f" the engine's {env.engine_bytes / 2**30:.1f} + 10% {'>' if verdict[0] else '<='} {total / 2**30:.1f} GiB)")
-    return bool(verdict[0])
-
-
 class ColocatedEngine:
     """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop calls
     ready() before a generate and rest() before training, and sets stale when the trainer has stepped.
@@ -975,7 +960,7 @@ class ColocatedEngine:
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
         self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
-        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # decided after step 1, in ready()
+        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # memory_plan decides
         self.canary = cfg.vllm_importance_sampling_correction
 
     def rest(self, ledger):
@@ -986,8 +971,6 @@ class ColocatedEngine:
 
     def ready(self, policy, step, ledger):
         if self.asleep or self.stale:
-            if self.auto_sleep and self.info:  # after step 1, asleep: the trainer's cached blocks still hold its peak
-                self.env.sleep, self.auto_sleep = decide_sleep(self.env), False  # does sleeping pay on this GPU?
             self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
             self.asleep = self.stale = False
 
@@ -1123,24 +1106,30 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
                gradient_as_bucket_view=True)
 
 
-def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool]:
-    """(token budget, activation checkpointing): the auto values of --max_tokens_per_microbatch and
+def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool, bool]:
+    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch and
     --gradient_checkpointing, from an estimate of the peak per rank: 16 bytes per parameter and shard (fp32 weights,
     grads, AdamW m, v; + 4: the reference), and per budget token 120 x hidden x layers bytes of activations
     (measured at 1.5B: 9,664 packed tokens took 46 GiB), or 4 x hidden x layers + 120 x hidden with checkpointing
     (each layer's input; one layer's activations). Room: 85% of the GPU, less the engine's share when it stays awake.
+    Sleep mode auto: off where the room beside the awake engine holds the budget (yours, or 4,096).
     auto checkpointing: on when fewer than 4,096 tokens would fit without it. The CPU: 8192, no checkpointing."""
     budget, flag = cfg.max_tokens_per_microbatch, cfg.gradient_checkpointing
     if env.device.type != "cuda":
-        return budget or 8192, flag == "true"
+        return budget or 8192, flag == "true", env.sleep
     per_param = 0 if cfg.fsdp_cpu_offload else (16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
-    room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes) - \
-        per_param * sum(p.numel() for p in lm.parameters())
+    room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - \
+        per_param * sum(p.numel() for p in lm.parameters())  # bytes, the engine asleep
     hidden, layers = lm.config.hidden_size, lm.config.num_hidden_layers
     plain, checkpointed = 120 * hidden * layers, 4 * hidden * layers + 120 * hidden  # bytes per token
+    needed = (budget or 4096) * (checkpointed if flag == "true" else plain)  # bytes
+    sleep = env.sleep and (cfg.vllm_enable_sleep_mode == "true" or room - env.engine_bytes < needed)
+    if not sleep:
+        room -= env.engine_bytes
     checkpointing = flag == "true" or flag == "auto" and (budget * plain > room if budget else room < 4096 * plain)
     longest = cfg.max_prompt_length + cfg.max_completion_length
-    return budget or max(longest, int(room // (checkpointed if checkpointing else plain))), checkpointing
+    budget = budget or max(longest, int(room // (checkpointed if checkpointing else plain)))
+    return budget, checkpointing, sleep
 
 
 def lr_lambda(cfg: Config):
@@ -1651,7 +1640,7 @@ def run(cfg: Config, env, model_config, data):
     if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, fp32 as the policy: the same logps at step 0
         ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
-    budget, checkpointing = memory_plan(cfg, lm, env)  # the auto sizes, from the model and this GPU (printed below)
+    budget, checkpointing, env.sleep = memory_plan(cfg, lm, env)  # printed below
     cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
     reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base

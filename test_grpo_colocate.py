@@ -358,23 +358,52 @@ def test_memory_plan(monkeypatch):
                          parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
     env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True, engine_bytes=0)
     room = 0.85 * 80 * 2**30 - 16 * 1_543_714_304  # 73.0 - 24.7 GB; 120 x 1536 x 28 = 5.16 MB per token
-    assert gc.memory_plan(gc.Config(), lm, env) == (int(room // (120 * 1536 * 28)), False) == (9361, False)
-    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=8192), lm, env) == (8192, False)  # 42.3 GB fit
-    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=16384), lm, env) == (16384, True)  # 84.6 GB do not
-    assert gc.memory_plan(gc.Config(beta=0.04), lm, env) == (8165, False)  # + an fp32 reference: 4 more per param
+    # (an engine of 0 bytes fits beside any budget: sleep mode auto turns off)
+    assert gc.memory_plan(gc.Config(), lm, env) == (int(room // (120 * 1536 * 28)), False, False) == (9361, False, False)
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=8192), lm, env)[:2] == (8192, False)  # 42.3 GB fit
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=16384), lm, env)[:2] == (16384, True)  # 84.6 GB do not
+    assert gc.memory_plan(gc.Config(beta=0.04), lm, env)[:2] == (8165, False)  # + an fp32 reference: 4 per param
     env.sleep, env.engine_bytes = False, 8 << 30  # an engine that stays awake: 8.6 GB less room
-    assert gc.memory_plan(gc.Config(), lm, env) == (7697, False)
+    assert gc.memory_plan(gc.Config(), lm, env) == (7697, False, False)
     assert gc.memory_plan(gc.Config(gradient_checkpointing="false", max_tokens_per_microbatch=16384), lm, env) == \
-        (16384, False)
+        (16384, False, False)
     # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7.6e9 / 2 = 61 GB leave 12 GB, < 4096 tokens without checkpointing
     lm7 = SimpleNamespace(config=SimpleNamespace(hidden_size=3584, num_hidden_layers=28),
                           parameters=lambda: [torch.empty(7_615_616_512, device="meta")])
     env7 = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=2, sleep=True, engine_bytes=0)
     room7 = 0.85 * 80 * 2**30 - 8 * 7_615_616_512
-    assert gc.memory_plan(gc.Config(fsdp=True), lm7, env7) == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True)
-    cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert gc.memory_plan(gc.Config(gradient_checkpointing="true"), lm, cpu) == (8192, True)
-    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=600), lm, cpu) == (600, False)  # auto: off on the CPU
+    assert gc.memory_plan(gc.Config(fsdp=True), lm7, env7)[:2] == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True)
+    cpu = SimpleNamespace(device=torch.device("cpu"), sleep=False)
+    assert gc.memory_plan(gc.Config(gradient_checkpointing="true"), lm, cpu) == (8192, True, False)
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=600), lm, cpu) == (600, False, False)  # auto: off
+
+
+def test_auto_sleep_from_the_planned_peak(monkeypatch):
+    """Sleep mode auto decides from memory_plan's planned peak (parameters + a full token budget), never from a
+    short first step: the engine stays awake only where the budget fits beside it, and the budget is then sized
+    for the room left beside the engine. Issue 29's example: a 0.5B shape on 80 GiB."""
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
+    lm05 = SimpleNamespace(config=SimpleNamespace(hidden_size=896, num_hidden_layers=24),  # Qwen2.5-0.5B's shape
+                           parameters=lambda: [torch.empty(494_032_768, device="meta")])
+    engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_distributed's share: 26 GiB
+    env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True, engine_bytes=engine)
+    per_token = 120 * 896 * 24  # 2.58 MB
+    room = 0.85 * 80 * GiB - 16 * 494_032_768  # 65.1 GB: 25,231 tokens with the engine asleep
+    budget, checkpointing, sleep = gc.memory_plan(gc.Config(num_generations=8, per_device_train_batch_size=32,
+                                                            gradient_accumulation_steps=1,
+                                                            max_completion_length=1024), lm05, env)
+    assert (budget, checkpointing, sleep) == (int((room - engine) // per_token), False, False) == (14413, False, False)
+    assert 16 * 494_032_768 + budget * per_token + engine <= 0.85 * 80 * GiB  # the planned peak fits awake
+    # a budget of yours that fits only while the engine sleeps keeps it asleep; so does "true"
+    assert gc.memory_plan(gc.Config(max_tokens_per_microbatch=20_000), lm05, env) == (20_000, False, True)
+    assert gc.memory_plan(gc.Config(vllm_enable_sleep_mode="true"), lm05, env) == (25231, False, True)
+    # the Qwen2.5-1.5B shape: fewer than 4,096 tokens beside the engine, so it sleeps (as measured on an H100)
+    lm15 = SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28),
+                           parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
+    assert gc.memory_plan(gc.Config(), lm15, env) == (9361, False, True)
+    env.sleep = False  # --vllm_enable_sleep_mode false: the room beside the engine, whatever it holds
+    assert gc.memory_plan(gc.Config(), lm15, env)[2] is False
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
@@ -566,14 +595,6 @@ def test_gpu_only_flags_refused_on_cpu(argv, flag):
 def test_sleep_mode_values():
     for value in ("auto", "false"):  # both mean no sleep on a CPU: accepted
         assert gc.parse_args(["--vllm_enable_sleep_mode", value]).vllm_enable_sleep_mode == value
-
-
-def test_sleep_needed_decision():
-    GiB = 1 << 30  # an 80 GiB GPU, the engine's share 0.3 x 80 + 2 = 26 GiB, a margin of 8 GiB
-    assert not gc.sleep_needed(40 * GiB, 26 * GiB, 80 * GiB, 8 * GiB)  # 74 GiB fit: no sleep
-    assert not gc.sleep_needed(46 * GiB, 26 * GiB, 80 * GiB, 8 * GiB)  # exactly 80 GiB still fits
-    assert gc.sleep_needed(46 * GiB + 1, 26 * GiB, 80 * GiB, 8 * GiB)  # one byte more: sleep
-    assert gc.sleep_needed(60 * GiB, 26 * GiB, 80 * GiB, 0)  # 86 GiB without any margin: sleep
 
 
 @pytest.fixture
