@@ -51,6 +51,7 @@ What is implemented, honestly:
 import argparse
 import dataclasses
 import functools
+import glob
 import hashlib
 import importlib.util
 import inspect
@@ -69,6 +70,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
+from unittest import mock
 
 # vLLM reads these when it is imported (lazily, in make_engine), so they are set first. Your own values win.
 for _key, _value in {
@@ -230,12 +232,12 @@ def parse_args(argv=None) -> Config:
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    """The newest complete checkpoint-<step> in output_dir (a save cut short leaves only a .tmp dir)."""
-    done = [d for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()
-            and os.path.isfile(os.path.join(output_dir, d, "trainer_state.pt"))] if os.path.isdir(output_dir) else []
-    if not done:
+    """The complete checkpoint-<step> in output_dir saved last (a save cut short is a .tmp dir).
+    Not the highest step: a run resumed from an earlier one saves beside an abandoned later one."""
+    saves = glob.glob(f"{glob.escape(output_dir)}/checkpoint-*[0-9]/trainer_state.pt")
+    if not saves:
         raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in --output_dir {output_dir!r}")
-    return os.path.join(output_dir, max(done, key=lambda d: int(d[11:])))
+    return os.path.dirname(max(saves, key=os.path.getmtime))
 
 
 class ConfigError(ValueError):
@@ -311,7 +313,12 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
     need(cfg.ddp_timeout >= 1, "ddp_timeout", "must be >= 1 (seconds; HF's default: 1800)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
-        read_checkpoint_state(cfg.resume_from_checkpoint)
+        saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
+        # the flags that define the filtered, shuffled train order that the data position counts in
+        for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
+                     "prompt_column", "answer_column", "max_prompt_length"):
+            need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
+                 f"--resume_from_checkpoint run had {saved.get(flag)!r}: pass that (same data)")
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
@@ -339,12 +346,15 @@ def check_model(cfg: Config, model_config) -> None:
     if os.path.isdir(cfg.model) and not any(f.endswith(".safetensors") for f in os.listdir(cfg.model)):
         raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
                           "when loaded and are refused: convert them to safetensors")
-    if cfg.resume_from_checkpoint:  # the run's flags are saved beside the (large) optimizer state
-        with open(os.path.join(cfg.resume_from_checkpoint, "grpo_config.json")) as f:
-            saved = json.load(f)
-        if saved["model"] != cfg.model:
-            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} was trained from "
-                              f"{saved['model']!r}, not --model {cfg.model!r}; pass the same --model")
+    if cfg.use_peft and cfg.lora_target_modules:  # the model's modules, on the meta device
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(model_config,
+                                                  trust_remote_code=cfg.trust_remote_code)
+        for name in [n for n, m in lm.named_modules() if isinstance(m, nn.Embedding)]:
+            if any(name == t or name.endswith("." + t) for t in cfg.lora_target_modules):  # as peft
+                raise ConfigError(f"--lora_target_modules: {name} is an embedding, whose adapter "
+                                  "(lora_embedding_A/B) the push cannot merge; target Linears")
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -363,14 +373,18 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def read_checkpoint_state(path: str) -> dict:
     """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
-    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code from it."""
+    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code
+    from it. Its "config": the flags of the run (grpo_config.json)."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
-        return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-    except (pickle.UnpicklingError, OSError, RuntimeError) as e:  # (loading anything else could run code)
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        with open(os.path.join(path, "grpo_config.json")) as f:
+            return {**state, "config": dict(json.load(f))}
+    except Exception as e:  # whatever failed (a refused class, a cut or foreign file)
+        first_line = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"--resume_from_checkpoint: {path} is no checkpoint-<step> directory written by this script "
-                          f"({type(e).__name__}: {str(e).splitlines()[0]}); pass one that is") from None
+                          f"({type(e).__name__}: {first_line}); pass one that is") from None
 
 
 def load_model_config(cfg: Config):
@@ -1462,6 +1476,7 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, dat
         # no RNG state: data order and rollout seeds derive from (seed, data position), and training draws none
         torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final + ".old", ignore_errors=True)  # left by a kill between the renames
         if os.path.exists(final):  # an older save of the same step: swap it out, then drop it
             os.replace(final, final + ".old")
         os.replace(tmp, final)
@@ -1476,8 +1491,9 @@ def load_optimizer(path: str, policy, optimizer):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(policy, optimizer)}  # the layout to fill
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # DCP unpickles non-tensor values with weights_only=False
-    dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    # DCP unpickles non-tensor values with weights_only=False: forced to True, for this load only
+    with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
+        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"])
 
 
@@ -1808,6 +1824,8 @@ def plot_curves(output_dir: str):
         import matplotlib.pyplot as plt
     except ImportError:
         return print("matplotlib is not installed: no curves.png (pip install matplotlib)")
+    if not os.path.exists(os.path.join(output_dir, "metrics.jsonl")):  # a resume at max_steps
+        return print("no metrics.jsonl: no curves.png")
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):

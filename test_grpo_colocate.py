@@ -570,6 +570,19 @@ def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
         gc.parse_args(["--use_peft"])
 
 
+def test_lora_on_an_embedding_is_refused(tmp_path):
+    """peft adapts an embedding with lora_embedding_A/B, which the weight push does not merge (a KeyError at the
+    first push, and a tied lm_head would not follow it): refused at start, naming the flag."""
+    tiny_llama().save_pretrained(tmp_path)
+    for targets in (["embed_tokens"], ["q_proj", "model.embed_tokens"]):
+        cfg = gc.Config(model=str(tmp_path), use_peft=True, lora_target_modules=targets, max_prompt_length=128,
+                        max_completion_length=128)  # the tiny model's context: 256
+        with pytest.raises(gc.ConfigError, match="--lora_target_modules: model.embed_tokens is an embedding"):
+            gc.check_model(cfg, gc.load_model_config(cfg))
+    cfg = dataclasses.replace(cfg, lora_target_modules=["q_proj", "v_proj"])
+    gc.check_model(cfg, gc.load_model_config(cfg))  # Linear layers: fine
+
+
 def test_report_to_wandb_needs_wandb(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed (it is not, in CI)
     with pytest.raises(gc.ConfigError, match="--report_to: 'wandb' is not installed"):
@@ -654,6 +667,18 @@ def test_resume_latest_needs_a_complete_checkpoint(tmp_path):
         gc.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
 
 
+def test_resume_latest_takes_the_save_made_last(tmp_path):
+    """A run resumed from checkpoint-200 saves checkpoint-250 beside the abandoned checkpoint-300 of the run
+    before: latest is checkpoint-250, saved last, not the highest step."""
+    for step, saved_at in ((300, 1_000), (200, 500), (250, 2_000)):
+        ckpt = tmp_path / f"checkpoint-{step}"
+        ckpt.mkdir()
+        (ckpt / "trainer_state.pt").write_bytes(b"")
+        os.utime(ckpt / "trainer_state.pt", (saved_at, saved_at))
+    (tmp_path / "checkpoint-400.tmp").mkdir()  # cut short: no trainer_state.pt at its top
+    assert gc.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-250")
+
+
 def test_model_missing():
     with pytest.raises(gc.ConfigError, match="--model"):
         gc.load_model_config(gc.Config(model="/nonexistent/model-dir"))
@@ -673,11 +698,20 @@ def test_model_shape_checks(flags, flag):
     gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE)  # fine
 
 
-def test_resume_from_another_model(tmp_path):
+@pytest.mark.parametrize("flag,value", [("model", "someone/else"), ("seed", 7), ("dataset", "openai/gsm8k"),
+                                        ("dataset_split", "test"), ("eval_split", "test"), ("num_eval", 64),
+                                        ("prompt_column", "question"), ("answer_column", "solution"),
+                                        ("max_prompt_length", 128)])
+def test_resume_with_another_data_order_is_refused(tmp_path, flag, value):
+    """The saved data position counts prompts of one filtered, shuffled train order: a resume whose flags would
+    make another order is refused, naming the flag."""
     genuine_checkpoint(tmp_path)
-    (tmp_path / "grpo_config.json").write_text(json.dumps({"model": "someone/else"}))
-    with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
-        gc.check_model(gc.Config(resume_from_checkpoint=str(tmp_path)), SMOL_SHAPE)
+    argv = ["--resume_from_checkpoint", str(tmp_path), "--output_dir", str(tmp_path / "out")]
+    assert gc.parse_args(argv).resume_from_checkpoint == str(tmp_path)  # the same flags: fine
+    config = {**json.loads((tmp_path / "grpo_config.json").read_text()), flag: value}  # trained with another value
+    (tmp_path / "grpo_config.json").write_text(json.dumps(config))
+    with pytest.raises(gc.ConfigError, match=f"--{flag}: is .*, but the --resume_from_checkpoint run had {value!r}"):
+        gc.parse_args(argv)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -696,6 +730,7 @@ def genuine_checkpoint(path):
     scheduler.step()
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(path / "optimizer"), no_dist=True)
     torch.save({"step": 1, "scheduler": scheduler.state_dict()}, path / "trainer_state.pt")
+    (path / "grpo_config.json").write_text(json.dumps(dataclasses.asdict(gc.Config())))
 
 
 class WritesAMarker:
@@ -720,6 +755,27 @@ def test_a_crafted_checkpoint_is_refused_before_any_engine(tmp_path, crafted):
     with pytest.raises(gc.ConfigError, match=r"--resume_from_checkpoint: .* \(UnpicklingError: "):
         gc.parse_args(["--resume_from_checkpoint", str(ckpt), "--output_dir", str(tmp_path / "out")])
     assert not marker.exists()
+
+
+class WrongArguments:
+    """An allowed class with arguments it refuses: TypeError while unpickling."""
+    def __reduce__(self):
+        return torch.Size, ("abc",)
+
+
+@pytest.mark.parametrize("name,content", [
+    ("optimizer/.metadata", b""),  # EOFError
+    ("optimizer/.metadata", pickle.dumps(WrongArguments())),  # TypeError
+    ("trainer_state.pt", b""),  # EOFError without a message
+    ("trainer_state.pt", b"abc"),  # IndexError inside torch's weights-only unpickler
+    ("grpo_config.json", b"{not json"),  # ValueError
+    ("grpo_config.json", b"[1, 2]"),  # not a dict: TypeError
+])
+def test_a_broken_checkpoint_is_a_config_error(tmp_path, name, content):
+    genuine_checkpoint(tmp_path)
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(gc.ConfigError, match=r"^--resume_from_checkpoint: .* is no checkpoint-<step> directory"):
+        gc.read_checkpoint_state(str(tmp_path))
 
 
 def test_a_model_with_its_own_code_is_refused_unless_trusted(tmp_path):
@@ -981,6 +1037,48 @@ def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
     assert gc.latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
 
 
+def test_checkpoint_saves_over_a_leftover_old_dir(tmp_path, world_of_one):
+    """A kill between save_checkpoint's two renames leaves checkpoint-N.old: the next save of step N still works."""
+    policy = gc.Policy(tiny_llama())
+    optimizer = torch.optim.AdamW(policy.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    out = tmp_path / "out"
+    for leftover in ("checkpoint-1", "checkpoint-1.old"):  # an earlier save of step 1, and a killed swap's leftover
+        (out / leftover).mkdir(parents=True)
+        (out / leftover / "stale").write_text("x")
+    env = SimpleNamespace(is_main=True, device=torch.device("cpu"))
+    tokenizer = gc.load_tokenizer(MODEL)
+    gc.save_checkpoint(gc.Config(output_dir=str(out)), env, 1, policy, optimizer, scheduler, tokenizer, 4)
+    assert sorted(os.listdir(out)) == ["checkpoint-1"]
+    assert gc.read_checkpoint_state(str(out / "checkpoint-1"))["data_position"] == 4
+    assert not (out / "checkpoint-1" / "stale").exists()
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_optimizer_load_leaves_weights_only_env_as_it_was(tmp_path, world_of_one, monkeypatch, before):
+    """load_optimizer forces TORCH_FORCE_WEIGHTS_ONLY_LOAD=1 for DCP's load only: afterwards a reward function's
+    torch.load(weights_only=False) works as in a run that was not resumed."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    if before is None:
+        monkeypatch.delenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", before)
+    lm = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(lm.parameters())
+    lm(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # as at a resume: no gradients yet
+    dcp.save({"optimizer": get_optimizer_state_dict(lm, optimizer)}, checkpoint_id=str(tmp_path / "optimizer"))
+    fresh = torch.optim.AdamW(lm.parameters())
+    gc.load_optimizer(str(tmp_path), lm, fresh)
+    assert torch.equal(fresh.state[lm.weight]["exp_avg"], optimizer.state[lm.weight]["exp_avg"])
+    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") == before
+    torch.save(SimpleNamespace(a=1), tmp_path / "x.pt")  # what a reward function might load
+    assert torch.load(tmp_path / "x.pt", weights_only=False).a == 1
+
+
 # ------------------------------------------------------------------------------------------------------------
 # reward functions
 # ------------------------------------------------------------------------------------------------------------
@@ -1039,6 +1137,11 @@ def test_plot_curves(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: say so, skip
     gc.plot_curves(str(tmp_path))
     assert "matplotlib is not installed" in capsys.readouterr().out
+    monkeypatch.undo()
+    fresh = tmp_path / "fresh"  # a resume at max_steps into a fresh output_dir: no step, no metrics.jsonl
+    fresh.mkdir()
+    gc.plot_curves(str(fresh))
+    assert "no metrics.jsonl" in capsys.readouterr().out and not (fresh / "curves.png").exists()
 
 
 def test_soft_overlong_punishment():
