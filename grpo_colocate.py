@@ -51,6 +51,7 @@ What is implemented, honestly:
 import argparse
 import dataclasses
 import functools
+import glob
 import hashlib
 import importlib.util
 import inspect
@@ -67,7 +68,9 @@ import time
 import traceback
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from types import SimpleNamespace
+from unittest import mock
 
 # vLLM reads these when it is imported (lazily, in make_engine), so they are set first. Your own values win.
 for _key, _value in {
@@ -164,7 +167,7 @@ class Config:
     vllm_gpu_memory_utilization: float = arg(0.3, "fraction of the GPU the engine takes (weights + KV cache)")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per engine; consecutive ranks form a TP group")
     vllm_enable_sleep_mode: str = arg("auto", "free the engine's GPU memory while training: true | false | auto "
-                                      "(CUDA: sleep in step 1, then only if trainer + engine do not fit at once)")
+                                      "(CUDA: on unless the trainer's planned peak fits beside it)")
     vllm_sleep_level: int = arg(2, "1: weights offloaded to CPU RAM; 2: weights discarded (re-pushed each step)")
     dtype: str = arg("auto", "engine weights and trainer autocast: bfloat16 | float32 | auto (bfloat16 on GPU, "
                      "float32 on CPU); master weights and optimizer state are always float32")
@@ -190,6 +193,8 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
+    ddp_timeout: int = arg(1800, "seconds a collective may wait before the run fails: the other "
+                           "ranks wait this long while rank 0 writes a checkpoint (NCCL watchdog)")
     report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
     log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
     num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
@@ -227,12 +232,12 @@ def parse_args(argv=None) -> Config:
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    """The newest complete checkpoint-<step> in output_dir (a save cut short leaves only a .tmp dir)."""
-    done = [d for d in os.listdir(output_dir) if d.startswith("checkpoint-") and d[11:].isdigit()
-            and os.path.isfile(os.path.join(output_dir, d, "trainer_state.pt"))] if os.path.isdir(output_dir) else []
-    if not done:
+    """The complete checkpoint-<step> in output_dir saved last (a save cut short is a .tmp dir).
+    Not the highest step: a run resumed from an earlier one saves beside an abandoned later one."""
+    saves = glob.glob(f"{glob.escape(output_dir)}/checkpoint-*[0-9]/trainer_state.pt")
+    if not saves:
         raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in --output_dir {output_dir!r}")
-    return os.path.join(output_dir, max(done, key=lambda d: int(d[11:])))
+    return os.path.dirname(max(saves, key=os.path.getmtime))
 
 
 class ConfigError(ValueError):
@@ -306,12 +311,18 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
     need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
+    need(cfg.ddp_timeout >= 1, "ddp_timeout", "must be >= 1 (seconds; HF's default: 1800)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
-        read_checkpoint_state(cfg.resume_from_checkpoint)
+        saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
+        # the flags that define the filtered, shuffled train order that the data position counts in
+        for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
+                     "prompt_column", "answer_column", "max_prompt_length"):
+            need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
+                 f"--resume_from_checkpoint run had {saved.get(flag)!r}: pass that (same data)")
     is_file = cfg.dataset.lower().endswith((".json", ".jsonl", ".parquet", ".csv"))
     need(not is_file or os.path.isfile(os.path.expanduser(cfg.dataset)), "dataset",
          f"file {cfg.dataset!r} does not exist; pass an existing .json/.jsonl/.parquet/.csv file or a hub name")
-    try:  # every rank checks, so that every rank reaches the same verdict without a collective
+    try:  # on every rank: each writes its own checkpoint shards there
         os.makedirs(cfg.output_dir, exist_ok=True)
         probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
         open(probe, "w").close()
@@ -335,12 +346,15 @@ def check_model(cfg: Config, model_config) -> None:
     if os.path.isdir(cfg.model) and not any(f.endswith(".safetensors") for f in os.listdir(cfg.model)):
         raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
                           "when loaded and are refused: convert them to safetensors")
-    if cfg.resume_from_checkpoint:  # the run's flags are saved beside the (large) optimizer state
-        with open(os.path.join(cfg.resume_from_checkpoint, "grpo_config.json")) as f:
-            saved = json.load(f)
-        if saved["model"] != cfg.model:
-            raise ConfigError(f"--resume_from_checkpoint: {cfg.resume_from_checkpoint} was trained from "
-                              f"{saved['model']!r}, not --model {cfg.model!r}; pass the same --model")
+    if cfg.use_peft and cfg.lora_target_modules:  # the model's modules, on the meta device
+        from transformers import AutoModelForCausalLM
+        with torch.device("meta"):
+            lm = AutoModelForCausalLM.from_config(model_config,
+                                                  trust_remote_code=cfg.trust_remote_code)
+        for name in [n for n, m in lm.named_modules() if isinstance(m, nn.Embedding)]:
+            if any(name == t or name.endswith("." + t) for t in cfg.lora_target_modules):  # as peft
+                raise ConfigError(f"--lora_target_modules: {name} is an embedding, whose adapter "
+                                  "(lora_embedding_A/B) the push cannot merge; target Linears")
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -359,14 +373,18 @@ class MetadataUnpickler(pickle.Unpickler):
 
 def read_checkpoint_state(path: str) -> dict:
     """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
-    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code from it."""
+    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code
+    from it. Its "config": the flags of the run (grpo_config.json)."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
-        return torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
-    except (pickle.UnpicklingError, OSError, RuntimeError) as e:  # (loading anything else could run code)
+        state = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
+        with open(os.path.join(path, "grpo_config.json")) as f:
+            return {**state, "config": dict(json.load(f))}
+    except Exception as e:  # whatever failed (a refused class, a cut or foreign file)
+        first_line = (str(e).splitlines() or [""])[0]
         raise ConfigError(f"--resume_from_checkpoint: {path} is no checkpoint-<step> directory written by this script "
-                          f"({type(e).__name__}: {str(e).splitlines()[0]}); pass one that is") from None
+                          f"({type(e).__name__}: {first_line}); pass one that is") from None
 
 
 def load_model_config(cfg: Config):
@@ -610,7 +628,7 @@ def derive_seed(*parts) -> int:
 # Distributed setup: ranks from torchrun's environment, tensor-parallel groups of consecutive ranks.
 # ----------------------------------------------------------------------------------------------------------------
 
-def setup_distributed(cfg: Config) -> SimpleNamespace:
+def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNamespace:
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -628,10 +646,16 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
         # share the cores among this host's processes, before vLLM pins its threads (then set_num_threads is a no-op)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    # any collective, barriers included, may wait this long (the other ranks, while rank 0 saves)
+    timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, device_id=device if cuda else None, timeout=timeout)
+    if world > 1:
+        agree_on_inputs(cfg, error, rank, world)
     tp = cfg.vllm_tensor_parallel_size
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours must be the same groups
-    tp_group, _ = dist.new_subgroups_by_enumeration([list(range(i, i + tp)) for i in range(0, world, tp)])
+    groups = [list(range(i, i + tp)) for i in range(0, world, tp)]
+    tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
@@ -643,6 +667,30 @@ def setup_distributed(cfg: Config) -> SimpleNamespace:
         push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
         attention="varlen" if cuda else "sdpa",  # packed attention: torch's varlen kernel, or sdpa + a block mask
     )
+
+
+def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: int):
+    """A path local to a node (--dataset, --model, --output_dir) can fail the checks on some ranks
+    only: then all stop here alike, none left waiting. Every rank writes checkpoint shards into
+    --output_dir, so it must be one directory: each looks there for a new file that rank 0 made."""
+    marker = [""]
+    if rank == 0 and not error:
+        marker = [f".shared-{os.urandom(8).hex()}"]
+        open(os.path.join(cfg.output_dir, marker[0]), "w").close()
+    dist.broadcast_object_list(marker)  # its name, sent once the file exists
+    if marker[0] and not error and not os.path.exists(os.path.join(cfg.output_dir, marker[0])):
+        error = ConfigError(f"--output_dir: {cfg.output_dir!r} is not the directory of rank 0 "
+                            "(a disk of each node?); pass a directory that every node shares")
+    errors = [None] * world
+    dist.all_gather_object(errors, error and f"{error} (rank {rank})")
+    if marker[0] and rank == 0:
+        os.remove(os.path.join(cfg.output_dir, marker[0]))
+    failed = [e for e in errors if e]
+    if failed:
+        if rank == 0:  # the first failed rank's message
+            print(f"error: {failed[0]}", file=sys.stderr, flush=True)
+        dist.destroy_process_group()
+        sys.exit(2)
 
 
 def print0(*args):
@@ -967,21 +1015,6 @@ def check_gap(gap: float, env, step, what: str) -> float:
     return gap
 
 
-def sleep_needed(trainer_bytes: int, engine_bytes: int, total_bytes: int, margin_bytes: int) -> bool:
-    return trainer_bytes + engine_bytes + margin_bytes > total_bytes  # auto: sleep unless all of it fits at once
-
-
-def decide_sleep(env) -> bool:
-    """auto, after step 1 (engine asleep: the trainer's cached blocks still hold its peak). Sleep if any rank must."""
-    free, total = torch.cuda.mem_get_info(env.device)
-    verdict = torch.tensor([sleep_needed(total - free, env.engine_bytes, total, total // 10), total - free],
-                           dtype=torch.float64, device=env.device)  # margin 10%: later completions may be longer
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    print0(f"sleep mode auto: {'on' if verdict[0] else 'off'} (the trainer's step-1 peak {verdict[1] / 2**30:.1f} GiB +"
-           f" the engine's {env.engine_bytes / 2**30:.1f} + 10% {'>' if verdict[0] else '<='} {total / 2**30:.1f} GiB)")
-    return bool(verdict[0])
-
-
 class ColocatedEngine:
     """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop calls
     ready() before a generate and rest() before training, and sets stale when the trainer has stepped.
@@ -994,7 +1027,7 @@ class ColocatedEngine:
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
         self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
-        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # decided after step 1, in ready()
+        self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # memory_plan decides
         self.canary = cfg.vllm_importance_sampling_correction
 
     def rest(self, ledger):
@@ -1005,8 +1038,6 @@ class ColocatedEngine:
 
     def ready(self, policy, step, ledger):
         if self.asleep or self.stale:
-            if self.auto_sleep and self.info:  # after step 1, asleep: the trainer's cached blocks still hold its peak
-                self.env.sleep, self.auto_sleep = decide_sleep(self.env), False  # does sleeping pay on this GPU?
             self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
             self.asleep = self.stale = False
 
@@ -1149,24 +1180,30 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
                gradient_as_bucket_view=True)
 
 
-def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool]:
-    """(token budget, activation checkpointing): the auto values of --max_tokens_per_microbatch and
+def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool, bool]:
+    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch and
     --gradient_checkpointing, from an estimate of the peak per rank: 16 bytes per parameter and shard (fp32 weights,
     grads, AdamW m, v; + 4: the reference), and per budget token 120 x hidden x layers bytes of activations
     (measured at 1.5B: 9,664 packed tokens took 46 GiB), or 4 x hidden x layers + 120 x hidden with checkpointing
     (each layer's input; one layer's activations). Room: 85% of the GPU, less the engine's share when it stays awake.
+    Sleep mode auto: off where the room beside the awake engine holds the budget (yours, or 4,096).
     auto checkpointing: on when fewer than 4,096 tokens would fit without it. The CPU: 8192, no checkpointing."""
     budget, flag = cfg.max_tokens_per_microbatch, cfg.gradient_checkpointing
     if env.device.type != "cuda":
-        return budget or 8192, flag == "true"
+        return budget or 8192, flag == "true", env.sleep
     per_param = 0 if cfg.fsdp_cpu_offload else (16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
-    room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - (0 if env.sleep else env.engine_bytes) - \
-        per_param * sum(p.numel() for p in lm.parameters())
+    room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - \
+        per_param * sum(p.numel() for p in lm.parameters())  # bytes, the engine asleep
     hidden, layers = lm.config.hidden_size, lm.config.num_hidden_layers
     plain, checkpointed = 120 * hidden * layers, 4 * hidden * layers + 120 * hidden  # bytes per token
+    needed = (budget or 4096) * (checkpointed if flag == "true" else plain)  # bytes
+    sleep = env.sleep and (cfg.vllm_enable_sleep_mode == "true" or room - env.engine_bytes < needed)
+    if not sleep:
+        room -= env.engine_bytes
     checkpointing = flag == "true" or flag == "auto" and (budget * plain > room if budget else room < 4096 * plain)
     longest = cfg.max_prompt_length + cfg.max_completion_length
-    return budget or max(longest, int(room // (checkpointed if checkpointing else plain))), checkpointing
+    budget = budget or max(longest, int(room // (checkpointed if checkpointing else plain)))
+    return budget, checkpointing, sleep
 
 
 def lr_lambda(cfg: Config):
@@ -1499,6 +1536,7 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, dat
         # no RNG state: data order and rollout seeds derive from (seed, data position), and training draws none
         torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final + ".old", ignore_errors=True)  # left by a kill between the renames
         if os.path.exists(final):  # an older save of the same step: swap it out, then drop it
             os.replace(final, final + ".old")
         os.replace(tmp, final)
@@ -1513,8 +1551,9 @@ def load_optimizer(path: str, policy, optimizer):
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(policy, optimizer)}  # the layout to fill
-    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"  # DCP unpickles non-tensor values with weights_only=False
-    dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
+    # DCP unpickles non-tensor values with weights_only=False: forced to True, for this load only
+    with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
+        dcp.load(state, checkpoint_id=os.path.join(path, "optimizer"))
     set_optimizer_state_dict(policy, optimizer, state["optimizer"])
 
 
@@ -1677,7 +1716,7 @@ def run(cfg: Config, env, model_config, data):
     if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, fp32 as the policy: the same logps at step 0
         ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).requires_grad_(False)
         reference = wrap_policy(ref_lm, env, cfg, trainable=False)
-    budget, checkpointing = memory_plan(cfg, lm, env)  # the auto sizes, from the model and this GPU (printed below)
+    budget, checkpointing, env.sleep = memory_plan(cfg, lm, env)  # printed below
     cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
     reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
@@ -1804,24 +1843,26 @@ def run(cfg: Config, env, model_config, data):
 
 def check_inputs(argv=None):
     """Bad input: one message, before any process group, model or engine exists (run.sh runs this alone first)."""
+    cfg = None  # -> (cfg, (model config, data), None); torchrun's ranks: (cfg or None, None, error)
     try:
         cfg = parse_args(argv)
         for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS") * (not cfg.verbose):
             os.environ.setdefault(key, "1")  # no loading/saving bars (transformers, datasets), read at their import
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
-        return cfg, model_config, prepare_data(cfg)
-    except ConfigError as e:  # identical on every rank: each exits without touching a collective
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        return cfg, (model_config, prepare_data(cfg)), None
+    except ConfigError as e:
+        if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks
+            return cfg, None, e
+        print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def main(argv=None):
-    cfg, model_config, data = check_inputs(argv)
-    env = setup_distributed(cfg)
+    cfg, inputs, error = check_inputs(argv)
+    env = setup_distributed(cfg, error)  # a bad input on any rank stops every rank here
     try:
-        llm = run(cfg, env, model_config, data)
+        llm = run(cfg, env, *inputs)
     except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
         # other ranks down (within seconds) instead of leaving them waiting in a collective
         if not isinstance(e, ConfigError):
@@ -1843,6 +1884,8 @@ def plot_curves(output_dir: str):
         import matplotlib.pyplot as plt
     except ImportError:
         return print("matplotlib is not installed: no curves.png (pip install matplotlib)")
+    if not os.path.exists(os.path.join(output_dir, "metrics.jsonl")):  # a resume at max_steps
+        return print("no metrics.jsonl: no curves.png")
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):

@@ -8,7 +8,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 import grpo_colocate as gc  # noqa: E402
 
-cfg, model_config, (tok, rows, _) = gc.check_inputs([
+cfg, (model_config, (tok, rows, _)), _ = gc.check_inputs([
     "--model", sys.argv[1], "--max_prompt_length", "128", "--max_completion_length", "256", "--ignore_eos",
     "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "8", "--vllm_enable_sleep_mode", "false"])
 env = gc.setup_distributed(cfg)
