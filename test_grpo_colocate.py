@@ -32,11 +32,13 @@ import reward_fns as rf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = gc.DEFAULT_MODEL
+MODEL = os.environ.get("MODEL_DIR") or gc.DEFAULT_MODEL  # run.sh's MODEL_DIR (the GPU machines set it)
 
 
-def close(a, b, tol=1e-5):
-    return abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b)))
+def close(a, b, rtol=1e-6, atol=0.0):
+    """|a - b| <= atol + rtol |b|: each comparison picks the tolerances of its quantity (a relative one for values
+    of any size, an absolute one for values that are noise around 0)."""
+    return abs(float(a) - float(b)) <= atol + rtol * abs(float(b))
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -174,7 +176,8 @@ ENTROPY = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.1, 9.0]])
 
 def test_grpo_loss_top_entropy_tokens_only():
     loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_threshold=1.0)
-    assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5)  # the policy term of the 3 kept tokens; still / 5 tokens
+    # the policy term of the 3 kept tokens, still / 5 tokens: -0.0013, from O(1) terms that cancel (fp32: atol)
+    assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5, atol=1e-6)
     assert close(stats["clip_ratio/low"], 0.2)  # the stats still count every token, as TRL's
 
 
@@ -465,7 +468,9 @@ def test_peak_flops_tells_h100_pcie_from_sxm(monkeypatch, name, peak):
 
 
 def test_derive_seed_stable_and_distinct():
-    assert gc.derive_seed(1, "rollout", 3, 0) == gc.derive_seed(1, "rollout", 3, 0)
+    # pinned: the same in every process and on every machine (Python's hash() of a str is salted per process)
+    assert gc.derive_seed(1, "rollout", 3, 0) == 1889194598
+    assert gc.derive_seed(42, "rollout") == 1334624133  # the default run's rollout seed base
     assert len({gc.derive_seed(s, "rollout", 3, e) for s in range(3) for e in range(3)}) == 9
 
 
@@ -477,6 +482,15 @@ def test_lr_schedules():
     assert round(gc.lr_lambda(cfg)(6), 4) == 0.5
     cfg.lr_scheduler_type = "constant"
     assert gc.lr_lambda(cfg)(9) == 1.0
+
+
+def test_lr_schedules_without_warmup():
+    # progress s / 10: linear 1 - p, cosine (1 + cos(pi p)) / 2 (0.9045 at p = 0.2, where linear gives 0.8); both
+    # stay at 0 past max_steps (cosine unclamped would climb back: 0.0955 at p = 1.2)
+    want = {"linear": [1.0, 0.8, 0.5, 0.0, 0.0], "cosine": [1.0, 0.9045, 0.5, 0.0, 0.0], "constant": [1.0] * 5}
+    for schedule, factors in want.items():
+        f = gc.lr_lambda(gc.Config(max_steps=10, warmup_steps=0, lr_scheduler_type=schedule))
+        assert [round(f(s), 4) for s in (0, 2, 5, 10, 12)] == factors, schedule
 
 
 def test_parse_args_types_and_bools():
@@ -523,6 +537,20 @@ def test_parse_args_types_and_bools():
     (["--entropy_coef", "nan"], "--entropy_coef"),
     (["--dynamic_sampling_factor", "0.5"], "--dynamic_sampling_factor"),
     (["--dynamic_sampling_factor", "inf"], "--dynamic_sampling_factor"),
+    (["--warmup_steps", "-1"], "--warmup_steps"),
+    (["--weight_decay", "-0.1"], "--weight_decay"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm"),
+    (["--epsilon", "0"], "--epsilon"),
+    (["--epsilon", "1.5"], "--epsilon"),
+    (["--vllm_importance_sampling_clip_max", "0.5"], "--vllm_importance_sampling_clip_max"),
+    (["--temperature", "0"], "--temperature"),
+    (["--top_p", "0"], "--top_p"),
+    (["--top_p", "1.5"], "--top_p"),
+    (["--top_k", "-1"], "--top_k"),
+    (["--eval_steps", "-1"], "--eval_steps"),
+    (["--save_steps", "-2"], "--save_steps"),
+    (["--lora_alpha", "0"], "--lora_alpha"),
+    (["--reward_funcs"], "--reward_funcs"),  # none at all
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -736,6 +764,16 @@ def test_bad_datasets(tmp_path, rows, flags, flag):
         gc.prepare_data(data_config(tmp_path, rows, **flags))
 
 
+def test_prompt_and_answer_columns_become_prompt_and_answer(tmp_path):
+    rows = [{"question": f"What is {i} + 1?", "solution": f"#### {i + 1}", "level": i % 3} for i in range(20)]
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, prompt_column="question", answer_column="solution"))
+    assert len(train) + len(held) == 20
+    for row in train + held:  # `answer` is what the reward functions get; the other columns go along
+        i = int(row["prompt"].split()[2])
+        assert row["answer"] == f"#### {i + 1}" and row["level"] == i % 3, row
+        assert "question" not in row and "solution" not in row
+
+
 def test_small_dataset_holds_out_a_tenth(tmp_path, capsys):
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(24)]
     _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=32))  # run.sh's CPU default: 32
@@ -756,6 +794,16 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------------------
 # non-finite steps, atomic checkpoints
 # ------------------------------------------------------------------------------------------------------------
+
+def test_clip_grad_norm_scales_down_only():
+    """g *= min(1, max_norm / ||g||), ||g|| over every parameter: here ||(3, 4, 12)|| = 13."""
+    env = SimpleNamespace(device=torch.device("cpu"))
+    for max_norm, scale in ((26.0, 1.0), (6.5, 0.5), (0.0, 1.0)):  # under the norm: kept; over: scaled; 0: off
+        a, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
+        a.grad, b.grad = torch.tensor([3.0, 4.0]), torch.tensor([12.0])
+        assert gc.clip_grad_norm([a, b], max_norm, env).item() == 13.0  # the norm before clipping, logged
+        assert torch.allclose(torch.cat([a.grad, b.grad]), scale * torch.tensor([3.0, 4.0, 12.0])), max_norm
+
 
 def test_non_finite_step_is_skipped():
     lm = tiny_llama()
@@ -829,6 +877,25 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
         dist.destroy_process_group()
     # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
     assert events == ["push", "train, engine asleep", "push", "train, engine asleep", "push"]
+
+
+@pytest.mark.parametrize("correction,probed", [(True, [True, False, False]), (False, [True, True, True])])
+def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, correction, probed):
+    """The parity probe runs after the first push, and after every later one when the IS correction is off (on, the
+    canary of train_step checks every step's sampled tokens instead): no push goes unchecked."""
+    monkeypatch.setattr(gc, "make_engine", lambda *args: None)
+    cfg = gc.Config(vllm_importance_sampling_correction=correction)
+    engine = gc.ColocatedEngine(cfg, SimpleNamespace(sleep=False), None, [5, 6, 7])
+    probes = []
+
+    def sync(policy, probe_ids, step, ledger):  # the push, recorded
+        probes.append(probe_ids)
+        return {"push_gb": 1.0}
+    monkeypatch.setattr(engine, "sync", sync)
+    for step in range(3):
+        engine.stale = True  # the trainer stepped
+        engine.ready(None, step, {})
+    assert [p == [5, 6, 7] for p in probes] == probed
 
 
 def test_canary_before_the_update(world_of_one):
@@ -1055,21 +1122,37 @@ def constant_on_even_prompts(prompts, completions, **columns):  # prompt "k": re
     return [1.0 if int(p) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
 
 
-def stand_in_rollout(monkeypatch, prompt_numbers, factor):
+def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_even_prompts,), weights=(1.0,),
+                     **flags):
     """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k: j + 1 tokens of
-    k), G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
+    k; the first ends with EOS, the second is cut at the length limit), G = 2, 2 prompts per step, so factor 2 draws
+    4 prompts."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False)
+                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False, **flags)
     rows = [{"prompt": str(k), "answer": "", "prompt_ids": [100 + k]} for k in prompt_numbers]
 
+    def completion(k, j):
+        return SimpleNamespace(token_ids=[48 + k] * (j + 1), finish_reason="length" if j else "stop")
+
     def generate(llm, env, prompt_ids, *args):
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[48 + ids[0] - 100] * (j + 1), finish_reason="stop")
-                                         for j in range(2)]) for ids in prompt_ids]
+        return [SimpleNamespace(outputs=[completion(ids[0] - 100, j) for j in range(2)]) for ids in prompt_ids]
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
     env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
-    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), [constant_on_even_prompts], torch.ones(1),
-                      {})
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), list(funcs), torch.tensor(weights), {})
+
+
+def test_rollout_weighs_rewards_and_masks_truncated_completions(monkeypatch):
+    """reward = sum_i w_i r_i over the reward functions; --mask_truncated_completions takes the truncated
+    completions (the second of each group: no EOS at the length limit) out of the loss, and only them."""
+    def length(prompts, completions, **columns):
+        return [float(len(c)) for c in completions]
+    batch = stand_in_rollout(monkeypatch, [1, 3], 1, funcs=(constant_on_even_prompts, length), weights=(0.5, 2.0),
+                             mask_truncated_completions=True)
+    assert batch.stats["rewards_per_func"].tolist() == [[1, 1], [2, 2], [1, 1], [2, 2]]  # odd prompts: lengths
+    assert batch.stats["rewards"].tolist() == [2.5, 5.0, 2.5, 5.0]  # 0.5 r_1 + 2 r_2
+    assert batch.stats["truncated"].tolist() == [0, 1, 0, 1]
+    assert batch.loss_mask.tolist() == [[1, 0], [0, 0], [1, 0], [0, 0]]
 
 
 def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
@@ -1109,11 +1192,16 @@ def _tp_worker(rank, world, port, results):
         return [f"out({r})" for r in requests]
     # str hashes are salted per process: fingerprint with a stable hash (the trainer hashes ints, which are not)
     got = gc.tp_generate(engine, mine, tp_group, 2, fingerprint=lambda outs: zlib.crc32(repr(outs).encode()))
+    try:  # the ranks of a group got different outputs (a fingerprint per rank): every rank of the group stops
+        gc.tp_generate(engine, mine, tp_group, 2, fingerprint=lambda outs: rank)
+        mismatch = "not caught"
+    except RuntimeError as e:
+        mismatch = str(e)
     # top_entropy_quantile's threshold spans every rank's micro-batch: rank r holds r + 1 tokens of entropy
     # 10 r + 1 .. 10 r + r + 1 (and one masked token of 99), so all ranks see 1, 11, 12, 21, 22, 23, 31, .., 34
     entropy = torch.tensor([[10.0 * rank + i + 1 for i in range(rank + 1)] + [99.0]])
     mask = torch.tensor([[1.0] * (rank + 1) + [0.0]])
-    results[rank] = (mine, got, seen[0], gc.entropy_quantile(entropy, mask, 0.5, world).item())
+    results[rank] = (mine, got, seen[0], gc.entropy_quantile(entropy, mask, 0.5, world).item(), mismatch)
     dist.destroy_process_group()
 
 
@@ -1121,8 +1209,9 @@ def test_tp_gather_slice_four_ranks():
     results = mp.Manager().dict()
     mp.spawn(_tp_worker, args=(4, free_port(), results), nprocs=4, join=True)
     for rank in range(4):
-        mine, got, seen, threshold = results[rank]
+        mine, got, seen, threshold, mismatch = results[rank]
         assert threshold == 22.5  # the median of the 10 tokens of all ranks, the same on every rank
+        assert "the ranks of a tensor-parallel group sampled different tokens" in mismatch, mismatch
         assert got == [f"out({p})" for p in mine]  # exactly the completions of its own prompts
         partner = rank ^ 1
         assert seen == results[partner][2]  # both ranks of the group submitted identical requests
