@@ -133,7 +133,7 @@ class Config:
     # optimisation
     learning_rate: float = arg(1e-6, "AdamW peak learning rate")
     lr_scheduler_type: str = arg("linear", "constant | linear | cosine decay after warmup")
-    warmup_steps: int = arg(0, "linear warmup steps")
+    warmup_steps: int = arg(0, "linear warmup: lr x s / W at step s < W, as HF's schedulers (TRL)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     # the GRPO loss
@@ -1132,7 +1132,7 @@ def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool]:
 def lr_lambda(cfg: Config):
     def factor(step):  # step = optimizer steps taken so far
         if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
+            return step / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
         return {"linear": max(0.0, 1.0 - progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
                 "constant": 1.0}[cfg.lr_scheduler_type]

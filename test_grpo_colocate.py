@@ -472,7 +472,7 @@ def test_derive_seed_stable_and_distinct():
 def test_lr_schedules():
     cfg = gc.Config(max_steps=10, warmup_steps=2, lr_scheduler_type="linear")
     f = gc.lr_lambda(cfg)
-    assert [round(f(s), 4) for s in (0, 1, 2, 6, 12)] == [0.3333, 0.6667, 1.0, 0.5, 0.0]
+    assert [f(s) for s in (0, 1, 2, 6, 12)] == [0.0, 0.5, 1.0, 0.5, 0.0]  # HF's s / W: step 0 at lr 0
     cfg.lr_scheduler_type = "cosine"
     assert round(gc.lr_lambda(cfg)(6), 4) == 0.5
     cfg.lr_scheduler_type = "constant"
@@ -1456,7 +1456,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tmp_path):
         "--reward_funcs", "reward_len", "format_reward", "soft_overlong_punishment",
         "--reward_weights", "0.1", "1.0", "1.0",
         "--temperature", "0.9", "--top_p", "0.9", "--top_k", "50", "--lr_scheduler_type", "cosine",
-        "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
+        "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
     assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "canary sampled" in proc.stdout
