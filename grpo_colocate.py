@@ -328,6 +328,9 @@ def check_model(cfg: Config, model_config) -> None:
     if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
                           f"{kv_heads} KV heads; use a tp that divides both (or that the KV heads divide)")
+    for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model_config, capping, None):
+            raise ConfigError(f"--model: the trainer does not compute {capping}; use another model")
     context = getattr(model_config, "max_position_embeddings", None)
     if context and cfg.max_prompt_length + cfg.max_completion_length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = "
@@ -1044,7 +1047,7 @@ def autocast(env):
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
-                     gqa=None, **kwargs):
+                     sliding_window=None, gqa=None, **kwargs):
     """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
     kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from pack). Grouped-query
     attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies); gqa:
@@ -1053,8 +1056,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu
 
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, (kv_)heads, D]
                for x in (query, key, value))
+    # (left, 0): causal, keys i - left .. i. A sliding window W (transformers', vLLM's): last W keys
+    left = -1 if sliding_window is None else sliding_window - 1
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                      window_size=(-1, 0), **(gqa or {}))  # (-1, 0): causal
+                      window_size=(left, 0), **(gqa or {}))
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
 
 

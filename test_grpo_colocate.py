@@ -315,27 +315,43 @@ def check_packed_logps(lm, attention_lm=None):
 
 def test_policy_packed_forward_matches_each_sequence_alone():
     check_packed_logps(tiny_llama())  # sdpa: transformers builds the block-diagonal mask from the position ids
+    check_packed_logps(tiny_mistral())  # ... and keeps each sequence's sliding window
 
 
-def test_varlen_attention_wiring(tmp_path, monkeypatch):
+def tiny_mistral(window=2):  # a sliding window of `window` keys in every layer
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=window, tie_word_embeddings=True, attn_implementation="sdpa")
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make_lm", [tiny_llama, tiny_mistral])
+def test_varlen_attention_wiring(tmp_path, monkeypatch, make_lm):
     """The CUDA path's attention function, with a per-sequence sdpa standing in for torch's varlen kernel (CUDA
-    only): GQA repeat, layouts, causal window, cu_seqlens from Policy.forward and the bf16 inputs it requires."""
+    only): GQA repeat, layouts, the causal window (FlashAttention's (left, 0): keys i - left .. i, -1: all; a
+    sliding window of 2 keys is (1, 0)), cu_seqlens from Policy.forward and the bf16 inputs it requires."""
     import types
 
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-        assert window_size == (-1, 0) and q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
+        assert window_size == ((1, 0) if make_lm is tiny_mistral else (-1, 0))
+        assert q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
         assert k.shape == v.shape and q.shape[1] == 2 * k.shape[1]  # grouped K/V heads, as they are (tiny_llama's)
         assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
         assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and torch.equal(cu_q, cu_k)
         k, v = (x.repeat_interleave(2, 1) for x in (k, v))  # what the kernel does: KV head j serves heads 2j, 2j + 1
         out = torch.empty_like(q)  # [L, heads, D]
         for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            i = torch.arange(b - a)
+            allowed = (i[None] <= i[:, None]) & ((i[:, None] - i[None] <= window_size[0]) | (window_size[0] < 0))
             qkv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))  # [heads, l, D]
-            out[a:b] = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale
+            out[a:b] = torch.nn.functional.scaled_dot_product_attention(*qkv, attn_mask=allowed, scale=scale
                                                                         ).transpose(0, 1).to(q.dtype)
         return out
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn))
-    tiny_llama().save_pretrained(tmp_path)
+    make_lm().save_pretrained(tmp_path)
     lm = gc.load_lm(str(tmp_path), "cpu", "varlen")
     assert lm.config._attn_implementation == "varlen"
     check_packed_logps(gc.load_lm(str(tmp_path), "cpu"), lm)  # bf16 q/k/v: 2e-3
@@ -644,6 +660,13 @@ def test_model_shape_checks(flags, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.check_model(gc.Config(**flags), SMOL_SHAPE)
     gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE)  # fine
+
+
+@pytest.mark.parametrize("capping", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_soft_capped_models_are_refused(capping):  # Gemma-2: neither the packed attention nor the logprobs cap
+    with pytest.raises(gc.ConfigError, match=capping):
+        gc.check_model(gc.Config(), SimpleNamespace(**vars(SMOL_SHAPE), **{capping: 30.0}))
+    gc.check_model(gc.Config(), SimpleNamespace(**vars(SMOL_SHAPE), **{capping: None}))  # Gemma-3: none
 
 
 def test_resume_from_another_model(tmp_path):
