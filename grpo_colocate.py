@@ -416,9 +416,10 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
         r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
-        l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t * e_t  +  beta * KL_t  -  c * H_t e_t
+        l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t - c H_t e_t / k
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
+        k    = sum_it e m / sum_it m                   kept_share: the share of the loss tokens kept
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
     micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
         grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
@@ -441,8 +442,10 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
         per_token = per_token + beta * kl
-    if entropy_coef != 0.0:  # the entropy bonus, on the tokens the policy term keeps
-        per_token = per_token - entropy_coef * entropy * keep
+    # The entropy bonus on the kept tokens: / k makes it their mean (as TRL), not sum / all tokens
+    if entropy_coef != 0.0:
+        kept_share = (keep * mask).sum().clamp(min=1) / mask.sum().clamp(min=1)
+        per_token = per_token - entropy_coef * entropy * keep / kept_share
 
     sequences = logps.shape[0] if global_count is None else global_count
     if loss_type == "grpo":

@@ -185,7 +185,20 @@ def test_grpo_loss_entropy_bonus():
     loss.backward()
     assert torch.allclose(entropy.grad, -0.1 * MASK / 5)  # a gradient that raises the entropy, masked tokens none
     with_mask, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_coef=0.1, entropy_threshold=1.0)
-    assert close(with_mask, (ROW0[1] + ROW0[2] + ROW1[0] - 0.1 * (2.0 + 1.0 + 3.0)) / 5)  # on the kept tokens only
+    bonus = 0.1 * (2.0 + 1.0 + 3.0) / 3  # the mean entropy of the 3 kept tokens, as TRL
+    assert close(with_mask, (ROW0[1] + ROW0[2] + ROW1[0]) / 5 - bonus)
+
+
+def test_entropy_bonus_with_top_entropy_quantile_is_the_kept_tokens_mean():
+    # H = 1..5, rho 0.2: the 0.8-quantile is 4.2, so only H = 5 is kept. TRL's bonus is the mean over the kept
+    # tokens, -5 c; divided by all 5 tokens it would be -1 c. Zero advantages: the policy term is 0.
+    entropy, zeros, ones = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]]), torch.zeros(1, 5), torch.ones(1, 5)
+    threshold = gc.entropy_quantile(entropy, ones, 1 - 0.2, world=1)
+    assert close(threshold, 4.2)
+    for loss_type in ("dapo", "bnpo"):
+        loss, _ = gc.grpo_loss(zeros, zeros, torch.zeros(1), ones, loss_type, entropy=entropy, entropy_coef=0.1,
+                               entropy_threshold=threshold)
+        assert close(loss, -0.5)
 
 
 def test_entropy_quantile_one_rank():
