@@ -481,7 +481,8 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
                                                                             (sum over its tokens) [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)     *_mask: w = 0 where w > clip_max (masked IS)
     trainer_logps: the policy that sampled, i.e. old_logps (see train_step), no grad; all inputs [B, T]."""
-    diff = (trainer_logps - vllm_logps) * mask  # [B, T]
+    # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
+    diff = ((trainer_logps - vllm_logps) * mask).nan_to_num(nan=0.0)  # [B, T]
     if mode.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
     weights = torch.exp(diff)
@@ -1394,7 +1395,7 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
             add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
                 m = mb.completion_mask
-                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).sum())
+                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).nansum())
                 w = is_weights if is_weights.shape[1] > 1 else is_weights.expand_as(m)
                 add("is_weight", (w * m).sum())
                 add("is_masked", ((w == 0).float() * m).sum())

@@ -228,6 +228,17 @@ def test_importance_weights(mode, expected):
     assert torch.allclose(got, torch.tensor(expected))
 
 
+def test_importance_weights_ignore_a_nan_vllm_logprob():
+    # TRL: the token's difference is 0, so its weight is 1 (no correction) and the loss stays finite
+    vllm = torch.tensor([[-1.5, math.nan], [-0.5, -3.0]])
+    got = gc.vllm_importance_weights(TRAINER, vllm, IS_MASK, "token_truncate", clip_max=3.0)
+    assert torch.allclose(got, torch.tensor([[math.exp(0.5), 1.0], [1.0, 1.0]]))
+    got = gc.vllm_importance_weights(TRAINER, vllm, IS_MASK, "sequence_truncate", clip_max=3.0)
+    assert torch.allclose(got, torch.tensor([[math.exp(0.5)], [1.0]]))
+    loss, _ = gc.grpo_loss(LOGPS[:, :2], LOGPS[:, :2], ADV, IS_MASK, is_weights=got)
+    assert torch.isfinite(loss)
+
+
 def test_importance_weights_uncapped_value():
     got = gc.vllm_importance_weights(TRAINER, VLLM, IS_MASK, "token_truncate", clip_max=3.0)
     assert close(got[0, 0], math.exp(0.5))
@@ -869,7 +880,8 @@ def test_engine_sleeps_through_every_train_step(tmp_path, monkeypatch):
 
 def test_canary_before_the_update(world_of_one):
     """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
-    A gap beyond the tolerance stops the step with no update; a NaN gap (a non-finite step) is left to the skip."""
+    A gap beyond the tolerance stops the step with no update; NaN vLLM logprobs are left out of it and corrected by
+    nothing (TRL's rule, weight 1): the step trains."""
     policy = gc.Policy(tiny_llama())
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -890,10 +902,11 @@ def test_canary_before_the_update(world_of_one):
         step(exact - 0.01)  # a stale engine: 0.01 nats per token > fp32's 1e-4
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # stopped before the update
     optimizer.zero_grad(set_to_none=True)
-    sums = step(torch.full_like(exact, math.nan))  # NaN logprobs: the non-finite step is skipped, not blamed
-    assert sums["canary_gap"] == 0.0 and sums["skipped"] == 1.0
     sums = step(exact)
     assert sums["canary_gap"] < 1e-6 and sums["skipped"] == 0.0
+    optimizer.zero_grad(set_to_none=True)
+    sums = step(torch.full_like(exact, math.nan))  # NaN logprobs from vLLM: neither blamed nor a non-finite step
+    assert sums["canary_gap"] == 0.0 and sums["skipped"] == 0.0
 
 
 def test_lora_trains_adapters_only_and_pushes_merged_weights():
