@@ -152,6 +152,7 @@ class Config:
     top_entropy_quantile: float = arg(1.0, "rho: the policy term keeps the top rho of tokens by entropy (1: all)")
     entropy_coef: float = arg(0.0, "entropy bonus: per-token loss -= coef * entropy, normalised like the loss (0: off)")
     dynamic_sampling_factor: float = arg(1.0, "DAPO: generate for F x the prompts, train on varied groups (1: off)")
+    dynamic_sampling_reward: str = arg("", "DAPO: the reward that must vary in a group ('': first)")
     # rewards
     reward_funcs: list[str] = arg(["accuracy_reward"], "names from reward_fns.py, or module:function for your own "
                                   "(several are summed with --reward_weights)")
@@ -284,6 +285,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(len(cfg.reward_funcs) >= 1, "reward_funcs", "name at least one reward function")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
          f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
+    need(cfg.dynamic_sampling_reward in ("", *cfg.reward_funcs), "dynamic_sampling_reward",
+         f"{cfg.dynamic_sampling_reward!r} is not in --reward_funcs; name one of them, or none")
     load_reward_funcs(cfg)  # imports your module:function ones
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -391,21 +394,28 @@ def load_model_config(cfg: Config):
 # Pure functions: tensors in, tensors out, no I/O and no process group.
 # ----------------------------------------------------------------------------------------------------------------
 
+def nanstd(grouped: torch.Tensor) -> torch.Tensor:
+    """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values (NaN if < 2)."""
+    squares = (grouped - grouped.nanmean(1, keepdim=True)).pow(2).nansum(1, keepdim=True)  # [P, 1]
+    return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()  # [P, 1]
+
+
 def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
     """Group-relative advantages. rewards: [N], each consecutive block of num_generations values is one group.
 
         A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
                                                          or no division at all (none, Dr. GRPO)
-    std is Bessel-corrected (torch.std), as in TRL."""
+    std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
+    function returned None) stay out of the mean and std, with A = 0, as in TRL (a lone one too)."""
     grouped = rewards.view(-1, num_generations)  # [P, G]
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
+        advantages = advantages / (nanstd(grouped) + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + 1e-4)
+        advantages = advantages / (nanstd(rewards.view(1, -1)) + 1e-4)
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
-    return advantages.flatten()  # [N]
+    return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
@@ -1222,9 +1232,10 @@ def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list
     return cuts
 
 
-def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
-    """TRL's rule: truncated = no EOS (vLLM says "length" also when an EOS was the last token allowed: kept)."""
-    return finish_reason == "length" and (not token_ids or token_ids[-1] not in eos_ids)
+def is_truncated(token_ids, finish_reason, end_ids) -> bool:
+    """TRL's rule: truncated = no end token: the EOS or pad token, or generation_config's EOS
+    (Llama-3.1: 128001/128008/128009), which vLLM stops on itself: finish_reason "stop"."""
+    return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
@@ -1242,16 +1253,23 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
 
     with timed(ledger, "reward", env):
         rewards_per_func = score(reward_funcs, rows, completion_ids, G, tokenizer, cfg.max_completion_length)  # [N, F]
-        rewards = (rewards_per_func.nan_to_num(0.0) * reward_weights).sum(1)  # [N]
+        rewards = (rewards_per_func * reward_weights).nansum(1)  # [N]
+        # unscorable (every function returned None): NaN, which compute_advantages leaves out (TRL)
+        rewards[rewards_per_func.isnan().all(1)] = math.nan
 
-    zero_std = torch.isclose(rewards.view(-1, G).std(1), torch.zeros(1))  # [P]: groups without a gradient
-    generated = torch.tensor([len(rows), float((~zero_std).sum()), float(sum(map(len, completion_ids)))])
-    if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's worth of groups, varied ones first
-        groups = select_groups(zero_std, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G)
+    # DAPO keeps a group where one reward varies (0 < correct < G), not the weighted sum. A group
+    # with fewer than 2 scored completions (std NaN) varies no more than a constant one.
+    criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
+    flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
+    generated = torch.tensor([len(rows), float((~flat).sum()), sum(map(len, completion_ids))])
+    if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's groups, informative first
+        step_groups = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
+        groups = torch.argsort(flat.int(), stable=True)[:step_groups]
         idx = (groups[:, None] * G + torch.arange(G)).flatten().tolist()  # their completions
         rows, samples = [rows[g] for g in groups.tolist()], [samples[i] for i in idx]
         completion_ids = [completion_ids[i] for i in idx]
-        rewards_per_func, rewards, zero_std = rewards_per_func[idx], rewards[idx], zero_std[groups]
+        rewards_per_func, rewards, flat = rewards_per_func[idx], rewards[idx], flat[groups]
+    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
         everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
@@ -1262,12 +1280,13 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
 
     prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
     completion_mask = completion_mask_of(completion_ids)  # [N, T]
-    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, {tokenizer.eos_token_id}) for c in samples])
+    end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, end_ids) for c in samples])
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
-    if cfg.dynamic_sampling_factor > 1:  # zero-std groups that filled a short step stay out of the loss
-        loss_mask = loss_mask * (~zero_std).float().repeat_interleave(G).unsqueeze(1)
+    if cfg.dynamic_sampling_factor > 1:  # uninformative groups that filled a short step: no loss
+        loss_mask = loss_mask * (~flat).float().repeat_interleave(G).unsqueeze(1)
     vllm_logps = torch.zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), torch.tensor(  # [N, T]
         [lp for c in samples for lp in c.logprobs.logprobs])) if need_logprobs else None  # the mask's row-major order
     return SimpleNamespace(
@@ -1281,11 +1300,6 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
                "prompt_tokens": sum(map(len, prompt_ids))},
     )
-
-
-def select_groups(zero_std, keep: int) -> torch.Tensor:
-    """DAPO dynamic sampling: `keep` group indices, varied ones first, then zero-std fillers. zero_std: [P] bool."""
-    return torch.argsort(zero_std.int(), stable=True)[:keep]  # False (varies) sorts first; stable keeps the order
 
 
 def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
@@ -1518,7 +1532,8 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
     """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
     s = gen_batch.stats
     local = {
-        "reward": s["rewards"].sum(), "reward_sq": (s["rewards"] ** 2).sum(), "n": float(len(s["rewards"])),
+        "reward": s["rewards"].nansum(), "reward_sq": (s["rewards"] ** 2).nansum(),
+        "n": float(len(s["rewards"])),
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),

@@ -66,6 +66,25 @@ def test_advantages_none():
     assert gc.compute_advantages(REWARDS, 4, "none").tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
 
 
+# unscorable completions (NaN: every reward function returned None), as TRL 1.16 treats them
+UNSCORABLE = torch.tensor([1.0, math.nan, 0.0, 1.0, math.nan, 2.0, math.nan, math.nan])
+
+
+def test_advantages_leave_unscorable_completions_out():
+    # group 0 scores 1, 0, 1: mean 2/3, std sqrt((1/9 + 4/9 + 1/9) / 2) = sqrt(1/3); its NaN gets 0.
+    # group 1 has one scored completion: std NaN, so every advantage of the group is 0.
+    a = (1 / 3) / (math.sqrt(1 / 3) + 1e-4)
+    expected = [a, 0, -2 * a, a, 0, 0, 0, 0]
+    got = gc.compute_advantages(UNSCORABLE, 4, "group")
+    assert all(close(g, e) for g, e in zip(got.tolist(), expected))
+    # batch: the scored 1, 0, 1, 2 have mean 1 and variance (0 + 1 + 0 + 1) / 3
+    b = (1 / 3) / (math.sqrt(2 / 3) + 1e-4)
+    got = gc.compute_advantages(UNSCORABLE, 4, "batch")
+    assert all(close(g, e) for g, e in zip(got.tolist(), [b, 0, -2 * b, b, 0, 0, 0, 0]))
+    got = gc.compute_advantages(UNSCORABLE, 4, "none")
+    assert all(close(g, e) for g, e in zip(got.tolist(), [1 / 3, 0, -2 / 3, 1 / 3, 0, 0, 0, 0]))
+
+
 def test_advantages_bad_scale():
     with pytest.raises(ValueError):
         gc.compute_advantages(REWARDS, 4, "global")
@@ -563,6 +582,7 @@ def test_parse_args_types_and_bools():
     (["--entropy_coef", "nan"], "--entropy_coef"),
     (["--dynamic_sampling_factor", "0.5"], "--dynamic_sampling_factor"),
     (["--dynamic_sampling_factor", "inf"], "--dynamic_sampling_factor"),
+    (["--dynamic_sampling_factor", "2", "--dynamic_sampling_reward", "format_reward"], "--dynamic_sampling_reward"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -1094,30 +1114,31 @@ def test_score_passes_columns_and_repeats_per_group():
 # are constant: those groups never reach the loss
 # ------------------------------------------------------------------------------------------------------------
 
-def test_select_groups_varied_first_then_fillers():
-    zero_std = torch.tensor([True, False, True, False, False])
-    assert gc.select_groups(zero_std, 2).tolist() == [1, 3]  # the first groups whose rewards vary
-    assert gc.select_groups(zero_std, 4).tolist() == [1, 3, 4, 0]  # too few vary: zero-std fillers, in order
-
-
 def constant_on_even_prompts(prompts, completions, **columns):  # prompt "k": reward len(completion) for odd k
     return [1.0 if int(p) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
 
 
-def stand_in_rollout(monkeypatch, prompt_numbers, factor):
-    """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k: j + 1 tokens of
-    k), G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
+def tokens_of(k, j):  # completion j of prompt k: j + 1 tokens of k, ended by an EOS
+    return [48 + k] * (j + 1), "stop"
+
+
+def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_even_prompts,), sample=tokens_of,
+                     **flags):
+    """rollout() on prompts "0", "1", ... with a stand-in for generate (sample(k, j): the token ids and finish reason
+    of completion j of prompt k), G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False)
+                    dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False,
+                    reward_funcs=[fn.__name__ for fn in funcs], **flags)
     rows = [{"prompt": str(k), "answer": "", "prompt_ids": [100 + k]} for k in prompt_numbers]
 
     def generate(llm, env, prompt_ids, *args):
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[48 + ids[0] - 100] * (j + 1), finish_reason="stop")
-                                         for j in range(2)]) for ids in prompt_ids]
+        samples = [[sample(ids[0] - 100, j) for j in range(2)] for ids in prompt_ids]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=t, finish_reason=r) for t, r in group])
+                for group in samples]
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
     env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
-    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), [constant_on_even_prompts], torch.ones(1),
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), list(funcs), torch.ones(len(funcs)),
                       {})
 
 
@@ -1135,6 +1156,53 @@ def test_dynamic_sampling_tops_up_with_masked_zero_std_groups(monkeypatch):
     assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]
     assert batch.stats["zero_std"].tolist() == [0.0, 1.0]
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]  # the filler never reaches the loss
+
+
+def correct_on_even_prompts(prompts, completions, **columns):  # odd prompts: only the 1-token completion is right
+    return [1.0 if int(p) % 2 == 0 or len(c) == 1 else 0.0 for p, c in zip(prompts, completions)]
+
+
+def length_penalty(prompts, completions, **columns):
+    return [-0.1 * len(c) for c in completions]
+
+
+def test_dynamic_sampling_filters_on_one_reward(monkeypatch):
+    """DAPO keeps a group when 0 < correct < G. The issue's example: an all-correct group (G 4, lengths 50/85/60/70
+    of 100, soft overlong penalty) sums to 1, 0.75, 1, 1 and group-std scaling makes it 0.5 / -1.5 / 0.5 / 0.5:
+    a length penalty turned into full-size advantages. Here the all-correct even prompts vary only in length."""
+    issue_example = gc.compute_advantages(torch.tensor([1, 0.75, 1, 1]), 4)  # std 0.125, + 1e-4
+    assert torch.allclose(issue_example, torch.tensor([0.5, -1.5, 0.5, 0.5]) * 0.125 / 0.1251)
+    funcs = (correct_on_even_prompts, length_penalty)
+    batch = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs)  # the first by default
+    assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]  # prompt 1, then prompt 0 as a filler
+    assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]
+    assert batch.stats["generated"].tolist() == [4, 1, 12]  # groups, informative groups, completion tokens
+    by_length = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs,
+                                 dynamic_sampling_reward="length_penalty")  # every group varies in length
+    assert [p[0] for p in by_length.prompt_ids] == [100, 100, 102, 102]
+
+
+def test_truncation_counts_the_pad_token_as_an_end(monkeypatch):
+    """TRL's end tokens: the EOS and the pad token (CharTokenizer's 1 and 0); vLLM ends generation_config's other EOS
+    tokens itself, with finish_reason "stop" (test_vllm_stops_on_generation_config_eos)."""
+    def ends(k, j):  # both cut at max_tokens: completion 0 on the pad token, completion 1 on another one
+        return [48, 0] if j == 0 else [48, 48], "length"
+    batch = stand_in_rollout(monkeypatch, [1, 3], factor=1, sample=ends, mask_truncated_completions=True)
+    assert batch.stats["truncated"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert batch.loss_mask.sum(1).tolist() == [2.0, 0.0, 2.0, 0.0]
+
+
+def test_vllm_stops_on_generation_config_eos(tmp_path):
+    """What is_truncated relies on: for every request vLLM adds generation_config's eos_token_id (Llama-3.1:
+    128001/128008/128009) to the stop tokens (vllm/v1/engine/input_processor.py), so they end with "stop"."""
+    from transformers import GenerationConfig
+    from vllm import SamplingParams
+    from vllm.transformers_utils.config import try_get_generation_config
+
+    GenerationConfig(eos_token_id=[2, 7, 9]).save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=8)
+    params.update_from_generation_config(try_get_generation_config(str(tmp_path), False).to_diff_dict(), 2)
+    assert params.eos_token_id == 2 and set(params.stop_token_ids) == {7, 9}
 
 
 # ------------------------------------------------------------------------------------------------------------
