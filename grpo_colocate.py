@@ -55,6 +55,7 @@ import glob
 import hashlib
 import importlib.util
 import inspect
+import io
 import json
 import logging
 import math
@@ -66,7 +67,7 @@ import socket
 import sys
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, redirect_stderr
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
@@ -135,7 +136,7 @@ class Config:
     # optimisation
     learning_rate: float = arg(1e-6, "AdamW peak learning rate")
     lr_scheduler_type: str = arg("linear", "constant | linear | cosine decay after warmup")
-    warmup_steps: int = arg(0, "linear warmup steps")
+    warmup_steps: int = arg(0, "linear warmup: lr x s / W at step s < W, as HF's schedulers (TRL)")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     # the GRPO loss
@@ -154,6 +155,7 @@ class Config:
     top_entropy_quantile: float = arg(1.0, "rho: the policy term keeps the top rho of tokens by entropy (1: all)")
     entropy_coef: float = arg(0.0, "entropy bonus: per-token loss -= coef * entropy, normalised like the loss (0: off)")
     dynamic_sampling_factor: float = arg(1.0, "DAPO: generate for F x the prompts, train on varied groups (1: off)")
+    dynamic_sampling_reward: str = arg("", "DAPO: the reward that must vary in a group ('': first)")
     # rewards
     reward_funcs: list[str] = arg(["accuracy_reward"], "names from reward_fns.py, or module:function for your own "
                                   "(several are summed with --reward_weights)")
@@ -288,6 +290,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(len(cfg.reward_funcs) >= 1, "reward_funcs", "name at least one reward function")
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
          f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
+    need(cfg.dynamic_sampling_reward in ("", *cfg.reward_funcs), "dynamic_sampling_reward",
+         f"{cfg.dynamic_sampling_reward!r} is not in --reward_funcs; name one of them, or none")
     load_reward_funcs(cfg)  # imports your module:function ones
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
@@ -339,6 +343,9 @@ def check_model(cfg: Config, model_config) -> None:
     if heads % tp or (kv_heads % tp and tp % kv_heads):
         raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
                           f"{kv_heads} KV heads; use a tp that divides both (or that the KV heads divide)")
+    for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(model_config, capping, None):
+            raise ConfigError(f"--model: the trainer does not compute {capping}; use another model")
     context = getattr(model_config, "max_position_embeddings", None)
     if context and cfg.max_prompt_length + cfg.max_completion_length > context:
         raise ConfigError(f"--max_prompt_length + --max_completion_length = "
@@ -406,21 +413,28 @@ def load_model_config(cfg: Config):
 # Pure functions: tensors in, tensors out, no I/O and no process group.
 # ----------------------------------------------------------------------------------------------------------------
 
+def nanstd(grouped: torch.Tensor) -> torch.Tensor:
+    """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values (NaN if < 2)."""
+    squares = (grouped - grouped.nanmean(1, keepdim=True)).pow(2).nansum(1, keepdim=True)  # [P, 1]
+    return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()  # [P, 1]
+
+
 def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
     """Group-relative advantages. rewards: [N], each consecutive block of num_generations values is one group.
 
         A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
                                                          or no division at all (none, Dr. GRPO)
-    std is Bessel-corrected (torch.std), as in TRL."""
+    std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
+    function returned None) stay out of the mean and std, with A = 0, as in TRL (a lone one too)."""
     grouped = rewards.view(-1, num_generations)  # [P, G]
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)  # [P, G]
+    advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + 1e-4)
+        advantages = advantages / (nanstd(grouped) + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + 1e-4)
+        advantages = advantages / (nanstd(rewards.view(1, -1)) + 1e-4)
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
-    return advantages.flatten()  # [N]
+    return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
@@ -431,9 +445,10 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
         r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
-        l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t * e_t  +  beta * KL_t  -  c * H_t e_t
+        l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t - c H_t e_t / k
         KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
+        k    = sum_it e m / sum_it m                   kept_share: the share of the loss tokens kept
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
     micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
         grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
@@ -456,8 +471,10 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
         per_token = per_token + beta * kl
-    if entropy_coef != 0.0:  # the entropy bonus, on the tokens the policy term keeps
-        per_token = per_token - entropy_coef * entropy * keep
+    # The entropy bonus on the kept tokens: / k makes it their mean (as TRL), not sum / all tokens
+    if entropy_coef != 0.0:
+        kept_share = (keep * mask).sum().clamp(min=1) / mask.sum().clamp(min=1)
+        per_token = per_token - entropy_coef * entropy * keep / kept_share
 
     sequences = logps.shape[0] if global_count is None else global_count
     if loss_type == "grpo":
@@ -493,7 +510,8 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
                                                                             (sum over its tokens) [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)     *_mask: w = 0 where w > clip_max (masked IS)
     trainer_logps: the policy that sampled, i.e. old_logps (see train_step), no grad; all inputs [B, T]."""
-    diff = (trainer_logps - vllm_logps) * mask  # [B, T]
+    # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
+    diff = ((trainer_logps - vllm_logps) * mask).nan_to_num(nan=0.0)  # [B, T]
     if mode.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
     weights = torch.exp(diff)
@@ -844,20 +862,36 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 # The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the weight push.
 # ----------------------------------------------------------------------------------------------------------------
 
+@contextmanager
+def quiet_engine_start(cuda: bool):
+    """Hide what every run prints and needs no action on: the warnings below (from vLLM's and
+    transformers' logs, for good) and on CUDA vLLM 0.26's CUDA-graph capture bars, drawn whatever
+    use_tqdm_on_load says: Python's stderr is held in the block, then written less a bar's lines."""
+    # "Failed to load weights": the CPU push has no tensor for RotaryEmbedding nor a tied lm_head
+    # (push_weights re-packs it; the parity check proves both). LLM(seed=) reseeds the process. CPU:
+    # eager by choice, no triton, threads set by setup_distributed. GPU: the logprob kernel compiles
+    # at the first rollout; transformers skips a clean-up that BPE tokenizers never need.
+    expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
+                "Inductor compilation was disabled", "Model Runner V2 requires Triton",
+                "torch.set_num_threads", "JIT compilation during inference",
+                "Ignoring clean_up_tokenization_spaces")
+    for handler in logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers:
+        handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
+    captured = io.StringIO()
+    try:
+        with redirect_stderr(captured) if cuda else nullcontext():
+            yield
+    finally:
+        lines = captured.getvalue().split("\n")
+        sys.stderr.write("\n".join(line for line in lines if "Capturing CUDA graphs" not in line))
+
+
 def make_engine(cfg: Config, env, model_config):
     """vllm.LLM inside this process. external_launcher makes vLLM join our torch.distributed world instead of
     spawning workers; every rank of a TP group passes the same seed, so the group samples identically."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # read at import; yours wins
     from vllm import LLM
 
-    if not cfg.verbose:  # hide warnings that every run prints and that need no action. "Failed to load weights": the
-        # CPU push has no tensor for RotaryEmbedding (no weights) nor for a tied lm_head (push_weights re-packs it; the
-        # parity check proves both). LLM(seed=) reseeds the process (run() reseeds the trainer after it). The rest is
-        # the CPU backend: eager mode by choice, no triton, threads set by setup_distributed before vLLM binds them.
-        expected = ("Failed to load weights", "global random seed is set", "Enforce eager set", "Inductor compilation "
-                    "was disabled", "Model Runner V2 requires Triton", "torch.set_num_threads")
-        for handler in logging.getLogger("vllm").handlers:
-            handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
     completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp * \
         math.ceil(cfg.dynamic_sampling_factor)  # (at most) the completions of one rollout
     kwargs = dict(
@@ -877,7 +911,10 @@ def make_engine(cfg: Config, env, model_config):
         per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * env.dtype.itemsize
         need = 2 * (completions_per_call + cfg.num_eval) * kwargs["max_model_len"] * per_token
         kwargs.update(kv_cache_memory_bytes=max(need, 64 << 20), enforce_eager=True)
-    return LLM(**kwargs)
+        # no chunked prefill: seeded requests fail on the CPU ("CPU Generator does not use offset")
+        kwargs.update(enable_chunked_prefill=False)
+    with nullcontext() if cfg.verbose else quiet_engine_start(cuda=env.device.type == "cuda"):
+        return LLM(**kwargs)
 
 
 def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:
@@ -1109,7 +1146,7 @@ def autocast(env):
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
-                     gqa=None, **kwargs):
+                     sliding_window=None, gqa=None, **kwargs):
     """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
     kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from pack). Grouped-query
     attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies); gqa:
@@ -1118,8 +1155,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu
 
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, (kv_)heads, D]
                for x in (query, key, value))
+    # (left, 0): causal, keys i - left .. i. A sliding window W (transformers', vLLM's): last W keys
+    left = -1 if sliding_window is None else sliding_window - 1
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
-                      window_size=(-1, 0), **(gqa or {}))  # (-1, 0): causal
+                      window_size=(left, 0), **(gqa or {}))
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa returns it
 
 
@@ -1210,7 +1249,7 @@ def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool, bool]:
 def lr_lambda(cfg: Config):
     def factor(step):  # step = optimizer steps taken so far
         if step < cfg.warmup_steps:
-            return (step + 1) / (cfg.warmup_steps + 1)
+            return step / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
         return {"linear": max(0.0, 1.0 - progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
                 "constant": 1.0}[cfg.lr_scheduler_type]
@@ -1291,9 +1330,10 @@ def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list
     return cuts
 
 
-def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
-    """TRL's rule: truncated = no EOS (vLLM says "length" also when an EOS was the last token allowed: kept)."""
-    return finish_reason == "length" and (not token_ids or token_ids[-1] not in eos_ids)
+def is_truncated(token_ids, finish_reason, end_ids) -> bool:
+    """TRL's rule: truncated = no end token: the EOS or pad token, or generation_config's EOS
+    (Llama-3.1: 128001/128008/128009), which vLLM stops on itself: finish_reason "stop"."""
+    return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
@@ -1311,16 +1351,23 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
 
     with timed(ledger, "reward", env):
         rewards_per_func = score(reward_funcs, rows, completion_ids, G, tokenizer, cfg.max_completion_length)  # [N, F]
-        rewards = (rewards_per_func.nan_to_num(0.0) * reward_weights).sum(1)  # [N]
+        rewards = (rewards_per_func * reward_weights).nansum(1)  # [N]
+        # unscorable (every function returned None): NaN, which compute_advantages leaves out (TRL)
+        rewards[rewards_per_func.isnan().all(1)] = math.nan
 
-    zero_std = torch.isclose(rewards.view(-1, G).std(1), torch.zeros(1))  # [P]: groups without a gradient
-    generated = torch.tensor([len(rows), float((~zero_std).sum()), float(sum(map(len, completion_ids)))])
-    if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's worth of groups, varied ones first
-        groups = select_groups(zero_std, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G)
+    # DAPO keeps a group where one reward varies (0 < correct < G), not the weighted sum. A group
+    # with fewer than 2 scored completions (std NaN) varies no more than a constant one.
+    criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
+    flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
+    generated = torch.tensor([len(rows), float((~flat).sum()), sum(map(len, completion_ids))])
+    if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's groups, informative first
+        step_groups = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
+        groups = torch.argsort(flat.int(), stable=True)[:step_groups]
         idx = (groups[:, None] * G + torch.arange(G)).flatten().tolist()  # their completions
         rows, samples = [rows[g] for g in groups.tolist()], [samples[i] for i in idx]
         completion_ids = [completion_ids[i] for i in idx]
-        rewards_per_func, rewards, zero_std = rewards_per_func[idx], rewards[idx], zero_std[groups]
+        rewards_per_func, rewards, flat = rewards_per_func[idx], rewards[idx], flat[groups]
+    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
         everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
@@ -1331,12 +1378,13 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
 
     prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
     completion_mask = completion_mask_of(completion_ids)  # [N, T]
-    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, {tokenizer.eos_token_id}) for c in samples])
+    end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
+    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, end_ids) for c in samples])
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
-    if cfg.dynamic_sampling_factor > 1:  # zero-std groups that filled a short step stay out of the loss
-        loss_mask = loss_mask * (~zero_std).float().repeat_interleave(G).unsqueeze(1)
+    if cfg.dynamic_sampling_factor > 1:  # uninformative groups that filled a short step: no loss
+        loss_mask = loss_mask * (~flat).float().repeat_interleave(G).unsqueeze(1)
     vllm_logps = torch.zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), torch.tensor(  # [N, T]
         [lp for c in samples for lp in c.logprobs.logprobs])) if need_logprobs else None  # the mask's row-major order
     return SimpleNamespace(
@@ -1350,11 +1398,6 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
                "prompt_tokens": sum(map(len, prompt_ids))},
     )
-
-
-def select_groups(zero_std, keep: int) -> torch.Tensor:
-    """DAPO dynamic sampling: `keep` group indices, varied ones first, then zero-std fillers. zero_std: [P] bool."""
-    return torch.argsort(zero_std.int(), stable=True)[:keep]  # False (varies) sorts first; stable keeps the order
 
 
 def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
@@ -1464,7 +1507,7 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
             add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
                 m = mb.completion_mask
-                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).sum())
+                add("logprob_gap", ((old - mb.vllm_logps).abs() * m).nansum())
                 w = is_weights if is_weights.shape[1] > 1 else is_weights.expand_as(m)
                 add("is_weight", (w * m).sum())
                 add("is_masked", ((w == 0).float() * m).sum())
@@ -1589,7 +1632,8 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
     """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
     s = gen_batch.stats
     local = {
-        "reward": s["rewards"].sum(), "reward_sq": (s["rewards"] ** 2).sum(), "n": float(len(s["rewards"])),
+        "reward": s["rewards"].nansum(), "reward_sq": (s["rewards"] ** 2).nansum(),
+        "n": float(len(s["rewards"])),
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),

