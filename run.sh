@@ -159,5 +159,5 @@ fi
 launch 1 \
   --num_generations 4 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --dynamic_sampling_factor 4 \
   --max_prompt_length 96 --max_completion_length 48 --temperature 0.8 --reward_funcs accuracy_reward \
-  --learning_rate 2e-5 --lr_scheduler_type constant --max_steps 30 --eval_steps 6 --num_eval 64 \
+  --learning_rate 1e-5 --lr_scheduler_type constant --max_steps 30 --eval_steps 6 --num_eval 64 \
   --output_dir outputs/cpu-run "$@"
