@@ -1056,7 +1056,7 @@ def test_prompt_and_answer_columns_become_prompt_and_answer(tmp_path):
 
 def test_small_dataset_holds_out_a_tenth(tmp_path, capsys):
     rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(24)]
-    _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=32))  # run.sh's CPU default: 32
+    _, train, held = gc.prepare_data(data_config(tmp_path, rows, num_eval=64))  # run.sh's CPU default: 64
     assert (len(train), len(held)) == (22, 2)  # 24 // 10 held out, instead of refusing
     assert {r["prompt"] for r in train}.isdisjoint(r["prompt"] for r in held)
     assert "holding out 2 of 24 rows" in capsys.readouterr().out
