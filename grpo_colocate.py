@@ -37,15 +37,15 @@ What is implemented, honestly:
     DAPO: clip-higher (epsilon_high), overlong filtering (mask_truncated_completions), the soft overlong penalty
         (the soft_overlong_punishment reward), dynamic sampling (dynamic_sampling_factor). GSPO (Zheng et al. 2025):
         importance_sampling_level sequence. Entropy: entropy_coef (a bonus), top_entropy_quantile (Wang et al. 2025).
+    CISPO (MiniMax-M1: a capped, stop-gradient ratio), SAPO (a soft gate in place of the clip).
     Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
-        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. The KL term is the plain k3 estimator,
-        without TRL 1.16's optional ratio-weighted "bias correction".
+        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. KL: k3 x the ratio, as TRL.
     Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
         fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
         full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
     LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
-    Not implemented: TRL's adaptive entropy coefficient, the cispo / sapo / luspo / vespo losses,
-        multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, multi-turn / tool use,
+        tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
 import argparse
@@ -138,8 +138,11 @@ class Config:
     # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: no reference model is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = arg(0.0, "upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher); 0: same as epsilon")
-    loss_type: str = arg("dapo", "normalisation: grpo | bnpo | dr_grpo | dapo (see grpo_loss)")
+    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: = epsilon); cispo: its cap")
+    loss_type: str = arg("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo (see grpo_loss)")
+    sapo_temperature_pos: float = arg(1.0, "sapo: the gate's temperature where advantage > 0")
+    sapo_temperature_neg: float = arg(1.05, "sapo: the gate's temperature elsewhere")
+    use_bias_correction_kl: bool = arg(True, "multiply the k3 KL term by the ratio (TRL's default)")
     scale_rewards: str = arg("group", "advantage scale: group (std of the group) | batch | none (Dr. GRPO)")
     mask_truncated_completions: bool = arg(False, "exclude completions that hit max_completion_length from the loss")
     vllm_importance_sampling_correction: bool = arg(True, "reweight the loss by pi_trainer / pi_vllm per token "
@@ -252,7 +255,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length", "num_eval",
                  "max_completion_length", "num_iterations", "weight_push_bucket_mb", "logging_steps", "max_steps"):
         need(getattr(cfg, flag) >= 1, flag, f"is {getattr(cfg, flag)}; it must be >= 1")
-    choices = {"lr_scheduler_type": ("constant", "linear", "cosine"), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
+    choices = {"lr_scheduler_type": ("constant", "linear", "cosine"),
+               "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
                "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
                "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
                "vllm_enable_sleep_mode": ("auto", "true", "false"), "gradient_checkpointing": ("auto", "true", "false"),
@@ -276,6 +280,10 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(0 < cfg.epsilon < 1, "epsilon", f"is {cfg.epsilon}; use a value in (0, 1) such as 0.2")
     need(cfg.epsilon_high == 0 or cfg.epsilon_high >= cfg.epsilon, "epsilon_high",
          f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
+    need(cfg.loss_type != "cispo" or cfg.epsilon_high >= 1, "epsilon_high",
+         f"is {cfg.epsilon_high}; with --loss_type cispo it caps the weight: use >= 1, e.g. 5.0")
+    need(cfg.sapo_temperature_pos > 0 and cfg.sapo_temperature_neg > 0, "sapo_temperature_pos",
+         "and --sapo_temperature_neg must be > 0 (defaults 1.0 and 1.05)")
     need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
     need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
     need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
@@ -406,15 +414,20 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
               ref_logps=None, beta=0.0, max_completion_length=None, global_count=None, is_weights=None,
-              importance_sampling_level="token", entropy=None, entropy_coef=0.0, entropy_threshold=None):
+              importance_sampling_level="token", entropy=None, entropy_coef=0.0,
+              entropy_threshold=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+              use_bias_correction_kl=True):
     """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
 
     logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
         r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
         l_t  = -min(r_t A, clip(r_t, 1 - eps_low, 1 + eps_high) A) * w_t * e_t  +  beta * KL_t  -  c * H_t e_t
-        KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
+        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3; r_t: use_bias_correction_kl)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
+    cispo (normalised as dapo) and sapo (as grpo), TRL 1.16's, put in place of the min(...) term:
+        cispo    -sg(min(r_t, eps_high)) A logp_t     sg: no gradient (MiniMax-M1; ScaleRL: 5)
+        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A  tau: sapo_temperature_pos if A > 0, else _neg
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
     micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
         grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
@@ -428,20 +441,30 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]: then every token of a sequence is clipped alike
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     keep = 1.0 if entropy_threshold is None else (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]: e_t
-    per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]: only high-entropy tokens learn
+    # only high-entropy tokens learn (keep). cispo: every token keeps a gradient, through logp,
+    # weighted by the capped ratio; sapo: a gate of slope 1 at r = 1, fading where the clip cuts
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps * keep  # [B, T]
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)  # [B, 1]
+        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * keep  # [B, T] or [B, 1]
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
+        if use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
+            kl = kl * ratio
         per_token = per_token + beta * kl
     if entropy_coef != 0.0:  # the entropy bonus, on the tokens the policy term keeps
         per_token = per_token - entropy_coef * entropy * keep
 
     sequences = logps.shape[0] if global_count is None else global_count
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     elif loss_type == "bnpo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
@@ -449,7 +472,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
         loss = (per_token * mask).sum() / (sequences * max_completion_length)
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         denominator = mask.sum() if global_count is None else torch.as_tensor(global_count, dtype=logps.dtype)
         loss = (per_token * mask).sum() / denominator.clamp(min=1)
     else:
@@ -458,8 +481,9 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-        low = (ratio < 1 - epsilon_low) & (adv < 0)  # pushed down past the clip: no gradient
-        high = (ratio > 1 + epsilon_high) & (adv > 0)  # pushed up past the clip: no gradient
+        # tokens past the clip, where the ratio gets no gradient (cispo: where its weight is capped)
+        low = (ratio < 1 - epsilon_low) & (adv < 0) & (loss_type != "cispo")
+        high = (ratio > (epsilon_high if loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
         stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
                  "clip_ratio/region": token_mean(low | high)}
         if beta != 0.0:
@@ -1323,7 +1347,8 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
     # GLOBAL count (sequences; dapo: loss tokens) of all ranks and micro-batches. DDP and FSDP2 both average gradients
     # over ranks (/ world): x world undoes that. bnpo: a token mean per micro-batch, averaged over them (and ranks).
     mask = gen_batch.loss_mask  # [N, T]
-    count = (mask.sum() if cfg.loss_type == "dapo" else mask.new_tensor(len(mask))).to(env.device)
+    token_mean = cfg.loss_type in ("dapo", "cispo")  # over the global batch's tokens
+    count = (mask.sum() if token_mean else mask.new_tensor(len(mask))).to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
     global_count, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
@@ -1357,7 +1382,11 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
                 loss, loss_stats = grpo_loss(
                     logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
                     cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    global_count, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
+                    global_count, is_weights, cfg.importance_sampling_level, entropy,
+                    cfg.entropy_coef, threshold,
+                    sapo_temperature_pos=cfg.sapo_temperature_pos,
+                    sapo_temperature_neg=cfg.sapo_temperature_neg,
+                    use_bias_correction_kl=cfg.use_bias_correction_kl)
                 (loss * loss_scale).backward()
             tokens = mb.loss_mask.sum()
             add("loss", loss * loss_scale)

@@ -124,10 +124,64 @@ def test_grpo_loss_kl():
     d = (ref - LOGPS).tolist()  # [[0, 1, -0.5], [0.5, -0.8, 2 (masked)]]
     kl = [[math.exp(x) - x - 1 for x in row] for row in d]
     kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1)
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1,
+                               use_bias_correction_kl=False)  # the plain k3
     assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5)
     assert close(stats["kl"], kl_sum / 5)
     assert kl[0][0] == 0 and all(x >= 0 for row in kl for x in row)
+
+
+RATIOS = [[math.exp(0.2), math.exp(-0.5), 1.0], [math.exp(-0.5), math.exp(0.2), 1.0]]
+
+
+def test_grpo_loss_kl_bias_correction():
+    # TRL's default: r_t KL_t. Off-policy, the value is the ratio-weighted k3. On-policy (r = 1,
+    # with its gradient) the gradient of r_t KL_t is (1 - e^d) + KL_t = -d = logp_t - ref_t, where
+    # d = ref_t - logp_t
+    ref = torch.full_like(LOGPS, -1.0)
+    d = (ref - LOGPS).tolist()
+    kl = [[(math.exp(x) - x - 1) * r for x, r in zip(d_row, r_row)]
+          for d_row, r_row in zip(d, RATIOS)]  # RATIOS = exp(LOGPS - OLD)
+    kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1)
+    assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5) and close(stats["kl"], kl_sum / 5)
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(2), MASK, "bnpo", ref_logps=ref,
+                           beta=0.1)
+    loss.backward()
+    assert torch.allclose(logps.grad, 0.1 * (LOGPS - ref) * MASK / 5)
+
+
+def test_grpo_loss_cispo():
+    # l_t = -sg(min(r_t, eps_high)) A logp_t, a token mean (as dapo). eps_high 1.1 caps r = e^0.2:
+    # the weights are [[1.1, e^-0.5, 1], [e^-0.5, 1.1, (masked)]]
+    weights = [[1.1, math.exp(-0.5), 1.0], [math.exp(-0.5), 1.1, 1.0]]
+    per_token = [[-w * a * lp for w, lp in zip(w_row, lp_row)]
+                 for w_row, lp_row, a in zip(weights, LOGPS.tolist(), (1, -2))]
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, "cispo", 0.2, 1.1)
+    assert close(loss.detach(), (sum(per_token[0]) + per_token[1][0] + per_token[1][1]) / 5)
+    # capped where r > 1.1 and A > 0 (row 0, t0): TRL's cispo clip ratio; nothing is clipped low
+    assert close(stats["clip_ratio/high"], 1 / 5) and close(stats["clip_ratio/low"], 0.0)
+    loss.backward()  # no gradient through the weight: d/dlogp_t = -w_t A / 5, on every token
+    assert torch.allclose(logps.grad, -torch.tensor(weights) * ADV[:, None] * MASK / 5)
+    global_loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "cispo", 0.2, 1.1, global_count=10)
+    assert close(global_loss * 10, loss.detach() * 5)  # normalised by the global batch's tokens
+
+
+def test_grpo_loss_sapo():
+    # l_t = -(4 / tau) sigmoid(tau (r_t - 1)) A, tau 1.0 (A > 0: row 0), 1.05 (row 1); as grpo
+    def gate(r, tau):
+        return 4 / tau / (1 + math.exp(-tau * (r - 1)))
+    row0 = [-gate(r, 1.0) * 1 for r in RATIOS[0]]
+    row1 = [gate(r, 1.05) * 2 for r in RATIOS[1][:2]]
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "sapo")
+    assert close(loss, (sum(row0) / 3 + sum(row1) / 2) / 2)
+    # at r = 1 the gate's slope is 1: on-policy, its gradient is the policy gradient of grpo
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, "sapo", sapo_temperature_neg=2.0)
+    loss.backward()
+    assert torch.allclose(logps.grad, -ADV[:, None] * MASK / MASK.sum(1, keepdim=True) / 2)
 
 
 def test_grpo_loss_gradient_is_policy_gradient_on_policy():
@@ -523,6 +577,8 @@ def test_parse_args_types_and_bools():
     (["--entropy_coef", "nan"], "--entropy_coef"),
     (["--dynamic_sampling_factor", "0.5"], "--dynamic_sampling_factor"),
     (["--dynamic_sampling_factor", "inf"], "--dynamic_sampling_factor"),
+    (["--loss_type", "cispo"], "--epsilon_high"),  # a cap of 0.2 would scale every gradient down
+    (["--sapo_temperature_neg", "0"], "--sapo_temperature_neg"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
