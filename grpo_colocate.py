@@ -40,12 +40,13 @@ What is implemented, honestly:
     CISPO (MiniMax-M1: a capped, stop-gradient ratio), SAPO (a soft gate in place of the clip).
     Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
         level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. KL: k3 x the ratio, as TRL.
+    Tools (--tools): multi-turn rollouts calling Python functions; their results are not trained on.
     Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
         fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
         full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
     LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
-    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, multi-turn / tool use,
-        tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
+        rollout_func, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
 import argparse
@@ -60,6 +61,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import socket
 import sys
@@ -158,6 +160,8 @@ class Config:
     reward_funcs: list[str] = arg(["accuracy_reward"], "names from reward_fns.py, or module:function for your own "
                                   "(several are summed with --reward_weights)")
     reward_weights: list[float] = arg([], "one weight per reward function (default: all 1.0)")
+    tools: list[str] = arg([], "functions the model may call: reward_fns.TOOLS, module:function")
+    max_tool_calling_iterations: int = arg(0, "tool-calling turns at most (0: no limit)")
     # sampling
     temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use the same)")
     top_p: float = arg(1.0, "nucleus sampling (the trainer's logprobs are over the same kept set)")
@@ -292,6 +296,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.reward_weights or len(cfg.reward_weights) == len(cfg.reward_funcs), "reward_weights",
          f"has {len(cfg.reward_weights)} values for {len(cfg.reward_funcs)} reward functions; give one per function")
     load_reward_funcs(cfg)  # imports your module:function ones
+    load_tools(cfg)
+    need(cfg.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0")
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
@@ -719,19 +725,30 @@ def check_distinct_shards(positions, env):
         raise RuntimeError("two ranks were given the same data positions: the data sharding is broken")
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+# One tool-call format (Qwen's, Hermes): in a system message for templates without a tools section
+TOOLS_PROMPT = ("# Tools\n\nYou may call these functions, given as JSON schemas:\n{}\n\n"
+                "To call one, write <tool_call>"
+                '{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>')
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def encode_prompt(tokenizer, prompt, tools=()) -> list[int]:
     """A prompt (text, or a list of chat messages) -> token ids through the chat template, ready to generate."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tokenizer.chat_template is None:  # a base model: plain text
         return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if tools and "tools" not in str(tokenizer.chat_template):  # no tools section: a system message
+        schemas = "\n".join(map(json.dumps, tools))
+        messages = [{"role": "system", "content": TOOLS_PROMPT.format(schemas)}] + messages
+    text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_rows(rows, tokenizer, max_prompt_length, what):
+def tokenize_rows(rows, tokenizer, max_prompt_length, what, tools=()):
     """Add 'prompt_ids' to each row; drop (and report) prompts longer than max_prompt_length."""
     for row in rows:
-        row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"])
+        row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"], tools)
     kept = [row for row in rows if len(row["prompt_ids"]) <= max_prompt_length]
     if len(kept) < len(rows):
         print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
@@ -744,9 +761,18 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what):
 
 def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
+    from transformers.utils import get_json_schema
+
     tokenizer, (train_rows, eval_rows) = load_tokenizer(cfg.model, cfg.trust_remote_code), load_rows(cfg)
-    return tokenizer, tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training"), \
-        tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
+    if cfg.tools and tokenizer.chat_template is None:
+        raise ConfigError("--tools: the model has no chat template to render tool results with")
+    try:  # what the model is shown: each tool's type hints and docstring
+        tools = [get_json_schema(fn) for fn in load_tools(cfg).values()]
+    except Exception as e:  # transformers' own kinds: a missing type hint, no Args section, ...
+        raise ConfigError(f"--tools: {e} (see README, Tools)") from None
+    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training", tools)
+    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval", tools)
+    return tokenizer, train_rows, eval_rows
 
 
 @functools.lru_cache(maxsize=4)
@@ -834,20 +860,23 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
                           logprobs=0 if logprobs else None, flat_logprobs=True)
 
 
-def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None) -> list:
+def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
     """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside). seeds: one per prompt;
     vLLM samples the n completions of prompt i from their own generators seeded seeds[i], seeds[i] + 1, ...: the
-    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it), or the rank."""
+    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it),
+    or the rank. max_tokens: one per prompt, in place of params.max_tokens (a tool turn's room)."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
-        return llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
-                            [params if s is None else replace(params, seed=s) for _, s in requests], use_tqdm=False)
+        return llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests],
+                            [replace(params, seed=s, max_tokens=m or params.max_tokens)
+                             for _, s, m in requests], use_tqdm=False)
 
     def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
         return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
-    return tp_generate(run, list(zip(prompt_ids, seeds or [None] * len(prompt_ids))), env.tp_group, env.tp,
-                       fingerprint)
+    none = [None] * len(prompt_ids)
+    requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
+    return tp_generate(run, requests, env.tp_group, env.tp, fingerprint)
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -1150,19 +1179,32 @@ def lr_lambda(cfg: Config):
 # Rollout: generate, score, advantages. A prompt's G completions stay on the rank that owns the prompt.
 # ----------------------------------------------------------------------------------------------------------------
 
-def load_reward_funcs(cfg: Config):
-    """(functions, weights [F]): names from reward_fns.py, or module:function for your own (ConfigError if absent)."""
+def load_functions(names: list[str], builtins: dict, flag: str) -> list:
+    """Functions by name: from `builtins` (reward_fns.py's), or module:function for your own
+    (ConfigError if absent)."""
     funcs = []
-    for name in cfg.reward_funcs:
+    for name in names:
         module, _, fn = name.rpartition(":")
         try:
-            funcs.append(getattr(importlib.import_module(module), fn) if module else reward_fns.REWARD_FUNCS[fn])
+            funcs.append(getattr(importlib.import_module(module), fn) if module else builtins[fn])
             if not callable(funcs[-1]):
                 raise AttributeError(f"{fn} is not a function")
         except (ImportError, AttributeError, KeyError) as e:
-            raise ConfigError(f"--reward_funcs: cannot load {name!r} ({type(e).__name__}: {e}); use one of "
-                              f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function on PYTHONPATH") from None
+            message = f"cannot load {name!r} ({type(e).__name__}: {e})"
+            raise ConfigError(f"--{flag}: {message}; use one of {', '.join(builtins)}, or "
+                              "module:function on PYTHONPATH") from None
+    return funcs
+
+
+def load_reward_funcs(cfg: Config):
+    """(functions, weights [F]) of --reward_funcs and --reward_weights."""
+    funcs = load_functions(cfg.reward_funcs, reward_fns.REWARD_FUNCS, "reward_funcs")
     return funcs, torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
+
+
+def load_tools(cfg: Config) -> dict:
+    """{name: function} of --tools (their schemas are checked by prepare_data)."""
+    return {fn.__name__: fn for fn in load_functions(cfg.tools, reward_fns.TOOLS, "tools")}
 
 
 def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
@@ -1188,15 +1230,17 @@ def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
     return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu"):
+def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu", scored=None):
     """Sequences (prompt + completion) concatenated into ONE row, no padding: Policy's first five inputs, on device.
     input_ids, position_ids [1, L], the position ids restarting at 0 at each sequence (for RoPE); cu_seqlens [B + 1]
     (int32: where each sequence starts, then L) and the longest sequence's length, for the varlen attention kernel
-    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion token, in order."""
+    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion
+    token, in order (scored [B, T]: of its ones only, so tool results are read but not scored)."""
+    scored = completion_mask_of(completions) if scored is None else scored
     ids, positions, starts, index = [], [], [], []
-    for p, c in zip(prompts, completions):
+    for p, c, row in zip(prompts, completions, scored.tolist()):
         starts.append(len(ids))
-        index += range(len(ids) + len(p), len(ids) + len(p) + len(c))
+        index += [len(ids) + len(p) + t for t in range(len(c)) if row[t]]
         ids += p + c
         positions += range(len(p) + len(c))
     cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)
@@ -1225,6 +1269,89 @@ def is_truncated(token_ids, finish_reason, eos_ids) -> bool:
     return finish_reason == "length" and (not token_ids or token_ids[-1] not in eos_ids)
 
 
+def add_turn(c, sample=None) -> SimpleNamespace:
+    """sample (None: a new one) with vLLM's completion c, a turn, appended: token_ids, tool_mask (0:
+    a tool result's token), the model tokens' logprobs, the last turn's tokens and finish_reason."""
+    sample = sample or SimpleNamespace(token_ids=[], tool_mask=[], logprobs=[])
+    sample.token_ids += c.token_ids
+    sample.tool_mask += [1] * len(c.token_ids)
+    sample.logprobs += [] if c.logprobs is None else c.logprobs.logprobs
+    sample.last_turn = c.token_ids
+    sample.finish_reason = c.finish_reason
+    return sample
+
+
+def call_tool(tools: dict, call: str) -> tuple[bool, dict]:
+    """(failed, the tool message) of a call '{"name": ..., "arguments": {...}}': parsed as JSON,
+    never evaluated. As in TRL, a bad call or a tool that raises gives the result {'error': ...}."""
+    message = {"role": "tool", "name": "unknown"}
+    try:
+        call = json.loads(call)
+        message["name"] = str(call["name"])
+        if message["name"] not in tools:
+            raise ValueError(f"Tool {message['name']} not found.")
+        result = tools[message["name"]](**call.get("arguments", {}))
+    except Exception as e:  # noqa: BLE001 - whatever the tool raises
+        return True, {**message, "content": str({"error": str(e)})}
+    return False, {**message, "content": str(result)}
+
+
+def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The tokens that the chat template puts after a turn's EOS for these tool messages, up to the
+    next assistant header. As TRL: rendered after a dummy call and cut at its last EOS."""
+    call = {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": [call]}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False)
+    prefix = render(dummy)
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    start = ends[-1] + 1 if ends else len(prefix)
+    return render(dummy + messages, add_generation_prompt=True)[start:]
+
+
+def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=None):
+    """--tools (TRL's loop): while the last turn of a sample called tools, the results (read, never
+    trained on) and its next turn are appended, one generate call per turn, until a turn calls none,
+    --max_tool_calling_iterations, or results that would not fit max_completion_length (dropped).
+    seed_keys: (i, j) per sample (None: greedy). Returns [calls, failed calls, turns], summed."""
+    from msgspec.structs import replace  # SamplingParams is a msgspec struct
+
+    counts = torch.tensor([0.0, 0.0, len(samples)])  # [calls, failed calls, turns]
+    if not cfg.tools:
+        return counts
+    tools = load_tools(cfg)
+    took_turn = list(range(len(samples)))
+    # no limit: every turn adds a token at least, so max_completion_length turns are enough
+    for turn in range(1, (cfg.max_tool_calling_iterations or cfg.max_completion_length) + 1):
+        active = []  # the samples that take this turn
+        for k in took_turn:
+            sample = samples[k]
+            calls = TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
+            results = [call_tool(tools, call) for call in calls]
+            counts += torch.tensor([len(results), sum(failed for failed, _ in results), 0])
+            suffix = tool_suffix_ids(tokenizer, [msg for _, msg in results]) if results else []
+            if results and len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
+                sample.token_ids += suffix
+                sample.tool_mask += [0] * len(suffix)
+                active.append(k)
+        # the ranks of a TP group drive one engine: they take every turn together
+        group_active = [None] * env.tp
+        dist.all_gather_object(group_active, bool(active), group=env.tp_group)
+        if not any(group_active):
+            break
+        seeds = None  # greedy: the eval
+        if seed_keys:  # completion j of the prompt at position i: turn t seeded by (seed, i, j, t)
+            seeds = [derive_seed(cfg.seed, "rollout", *seed_keys[k], turn) for k in active]
+        requests = [prompt_ids[k] + samples[k].token_ids for k in active]
+        room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
+        outputs = generate(llm, env, requests, replace(params, n=1), seeds, max_tokens=room)
+        for k, out in zip(active, outputs):
+            add_turn(out.outputs[0], samples[k])
+        counts[2] += len(active)
+        took_turn = active
+    return counts
+
+
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
     """Generate G completions per prompt, score them and compute advantages: this rank's generation batch.
     positions: the rows' global data positions, which seed their samples."""
@@ -1233,17 +1360,21 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         # completion j of the prompt at data position i has its own seed, base + G i + j: a pure function of (run
         # seed, position), so a resume on any number of GPUs samples the same tokens, and no two completions share one
         seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
-        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], sampling_params(cfg, logprobs=need_logprobs),
-                           seeds)
-    samples = [c for out in outputs for c in out.outputs]  # N = len(rows) * G, grouped by prompt
-    completion_ids = [list(c.token_ids) for c in samples]
+        params = sampling_params(cfg, logprobs=need_logprobs)
+        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds)
+        samples = [add_turn(c) for out in outputs for c in out.outputs]  # N, grouped by prompt
+        prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
+        seed_keys = [(i, j) for i in positions for j in range(G)]
+        tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys)
+    completion_ids = [s.token_ids for s in samples]
 
     with timed(ledger, "reward", env):
         rewards_per_func = score(reward_funcs, rows, completion_ids, G, tokenizer, cfg.max_completion_length)  # [N, F]
         rewards = (rewards_per_func.nan_to_num(0.0) * reward_weights).sum(1)  # [N]
 
     zero_std = torch.isclose(rewards.view(-1, G).std(1), torch.zeros(1))  # [P]: groups without a gradient
-    generated = torch.tensor([len(rows), float((~zero_std).sum()), float(sum(map(len, completion_ids)))])
+    sampled = sum(sum(s.tool_mask) for s in samples)  # tokens the model sampled (not tool results)
+    generated = torch.tensor([len(rows), float((~zero_std).sum()), float(sampled)])
     if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's worth of groups, varied ones first
         groups = select_groups(zero_std, cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G)
         idx = (groups[:, None] * G + torch.arange(G)).flatten().tolist()  # their completions
@@ -1259,15 +1390,18 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
     prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
-    completion_mask = completion_mask_of(completion_ids)  # [N, T]
-    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, {tokenizer.eos_token_id}) for c in samples])
+    model_tokens = [torch.tensor(s.tool_mask) for s in samples]  # 1: the model's token, 0: a tool's
+    completion_mask = nn.utils.rnn.pad_sequence(model_tokens, batch_first=True)  # [N, T]
+    eos = {tokenizer.eos_token_id}
+    truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, eos) for s in samples])
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     if cfg.dynamic_sampling_factor > 1:  # zero-std groups that filled a short step stay out of the loss
         loss_mask = loss_mask * (~zero_std).float().repeat_interleave(G).unsqueeze(1)
-    vllm_logps = torch.zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), torch.tensor(  # [N, T]
-        [lp for c in samples for lp in c.logprobs.logprobs])) if need_logprobs else None  # the mask's row-major order
+    vllm_logps = torch.zeros(completion_mask.shape) if need_logprobs else None  # [N, T]
+    if need_logprobs:  # vLLM's logprob of every token it sampled, in the mask's row-major order
+        vllm_logps[completion_mask.bool()] = torch.tensor([x for s in samples for x in s.logprobs])
     return SimpleNamespace(
         prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
         advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
@@ -1277,7 +1411,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": zero_std.float(), "generated": generated,  # generated: groups, varied groups, tokens
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
-               "prompt_tokens": sum(map(len, prompt_ids))},
+               "prompt_tokens": sum(map(len, prompt_ids)),
+               "tools": tool_counts},
     )
 
 
@@ -1304,7 +1439,8 @@ def micro_batch(batch, rows: range, device):
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[rows, :T].to(device)
     return SimpleNamespace(
-        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device),  # Policy's first inputs
+        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device,  # Policy's inputs
+                    batch.completion_mask[rows, :T]),
         completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
         advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
@@ -1427,8 +1563,11 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
     """Greedy decoding on the held-out split; the mean of each reward function (accuracy_reward = accuracy)."""
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather inside generate
-    outputs = generate(llm, env, [row["prompt_ids"] for row in mine], sampling_params(cfg, greedy=True))
-    ids = [list(o.outputs[0].token_ids) for o in outputs]
+    prompt_ids = [row["prompt_ids"] for row in mine]
+    params = sampling_params(cfg, greedy=True)
+    samples = [add_turn(out.outputs[0]) for out in generate(llm, env, prompt_ids, params)]
+    tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params)
+    ids = [s.token_ids for s in samples]
     sums = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length).nan_to_num(0.0).sum(0) if mine \
         else torch.zeros(len(reward_funcs))
     totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
@@ -1525,6 +1664,7 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
+        **dict(zip(("tool_calls", "tool_failures", "turns"), s["tools"])),
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
         **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
@@ -1555,6 +1695,10 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
               "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
+    if cfg.tools:  # TRL's call_frequency (per generated completion), failure_frequency (per call)
+        m["tools/call_frequency"] = t["tool_calls"] / (t["generated_groups"] * cfg.num_generations)
+        m["tools/failure_frequency"] = t["tool_failures"] / max(t["tool_calls"], 1)
+        m["tools/turns"] = t["turns"] / (t["generated_groups"] * cfg.num_generations)
     if cfg.dynamic_sampling_factor > 1:  # the share of generated groups whose rewards vary, and the extra cost
         m.update({"dynamic_sampling/informative_fraction": t["varied_groups"] / t["generated_groups"],
                   "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
