@@ -37,15 +37,16 @@ What is implemented, honestly:
     DAPO: clip-higher (epsilon_high), overlong filtering (mask_truncated_completions), the soft overlong penalty
         (the soft_overlong_punishment reward), dynamic sampling (dynamic_sampling_factor). GSPO (Zheng et al. 2025):
         importance_sampling_level sequence. Entropy: entropy_coef (a bonus), top_entropy_quantile (Wang et al. 2025).
+    CISPO (MiniMax-M1: a capped, stop-gradient ratio), SAPO (a soft gate in place of the clip).
     Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
-        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. The KL term is the plain k3 estimator,
-        without TRL 1.16's optional ratio-weighted "bias correction".
+        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. KL: k3 x the ratio, as TRL.
+    Tools (--tools): multi-turn rollouts calling Python functions; their results are not trained on.
     Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
         fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
         full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
     LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
-    Not implemented: TRL's adaptive entropy coefficient, the cispo / sapo / luspo / vespo losses,
-        multi-turn / tool use, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
+        rollout_func, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
 """
 
 import argparse
@@ -62,6 +63,7 @@ import math
 import os
 import pickle
 import random
+import re
 import shutil
 import socket
 import sys
@@ -142,8 +144,11 @@ class Config:
     # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: no reference model is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = arg(0.0, "upper clip: ratio <= 1 + epsilon_high (DAPO clip-higher); 0: same as epsilon")
-    loss_type: str = arg("dapo", "normalisation: grpo | bnpo | dr_grpo | dapo (see grpo_loss)")
+    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: = epsilon); cispo: its cap")
+    loss_type: str = arg("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo (see grpo_loss)")
+    sapo_temperature_pos: float = arg(1.0, "sapo: the gate's temperature where advantage > 0")
+    sapo_temperature_neg: float = arg(1.05, "sapo: the gate's temperature elsewhere")
+    use_bias_correction_kl: bool = arg(True, "multiply the k3 KL term by the ratio (TRL's default)")
     scale_rewards: str = arg("group", "advantage scale: group (std of the group) | batch | none (Dr. GRPO)")
     mask_truncated_completions: bool = arg(False, "exclude completions that hit max_completion_length from the loss")
     vllm_importance_sampling_correction: bool = arg(True, "reweight the loss by pi_trainer / pi_vllm per token "
@@ -160,6 +165,8 @@ class Config:
     reward_funcs: list[str] = arg(["accuracy_reward"], "names from reward_fns.py, or module:function for your own "
                                   "(several are summed with --reward_weights)")
     reward_weights: list[float] = arg([], "one weight per reward function (default: all 1.0)")
+    tools: list[str] = arg([], "functions the model may call: reward_fns.TOOLS, module:function")
+    max_tool_calling_iterations: int = arg(0, "tool-calling turns at most (0: no limit)")
     # sampling
     temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use the same)")
     top_p: float = arg(1.0, "nucleus sampling (the trainer's logprobs are over the same kept set)")
@@ -259,7 +266,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length", "num_eval",
                  "max_completion_length", "num_iterations", "weight_push_bucket_mb", "logging_steps", "max_steps"):
         need(getattr(cfg, flag) >= 1, flag, f"is {getattr(cfg, flag)}; it must be >= 1")
-    choices = {"lr_scheduler_type": ("constant", "linear", "cosine"), "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo"),
+    choices = {"lr_scheduler_type": ("constant", "linear", "cosine"),
+               "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
                "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
                "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
                "vllm_enable_sleep_mode": ("auto", "true", "false"), "gradient_checkpointing": ("auto", "true", "false"),
@@ -283,6 +291,10 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(0 < cfg.epsilon < 1, "epsilon", f"is {cfg.epsilon}; use a value in (0, 1) such as 0.2")
     need(cfg.epsilon_high == 0 or cfg.epsilon_high >= cfg.epsilon, "epsilon_high",
          f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
+    need(cfg.loss_type != "cispo" or cfg.epsilon_high >= 1, "epsilon_high",
+         f"is {cfg.epsilon_high}; with --loss_type cispo it caps the weight: use >= 1, e.g. 5.0")
+    need(cfg.sapo_temperature_pos > 0 and cfg.sapo_temperature_neg > 0, "sapo_temperature_pos",
+         "and --sapo_temperature_neg must be > 0 (defaults 1.0 and 1.05)")
     need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
     need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
     need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
@@ -293,6 +305,8 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.dynamic_sampling_reward in ("", *cfg.reward_funcs), "dynamic_sampling_reward",
          f"{cfg.dynamic_sampling_reward!r} is not in --reward_funcs; name one of them, or none")
     load_reward_funcs(cfg)  # imports your module:function ones
+    load_tools(cfg)
+    need(cfg.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0")
     need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
@@ -439,16 +453,21 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
 
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
               ref_logps=None, beta=0.0, max_completion_length=None, global_count=None, is_weights=None,
-              importance_sampling_level="token", entropy=None, entropy_coef=0.0, entropy_threshold=None):
+              importance_sampling_level="token", entropy=None, entropy_coef=0.0,
+              entropy_threshold=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+              use_bias_correction_kl=True):
     """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
 
     logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
         r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t - c H_t e_t / k
-        KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1      (the k3 estimator of KL(pi || ref), >= 0)
+        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3; r_t: use_bias_correction_kl)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
         k    = sum_it e m / sum_it m                   kept_share: the share of the loss tokens kept
+    cispo (normalised as dapo) and sapo (as grpo), TRL 1.16's, put in place of the min(...) term:
+        cispo    -sg(min(r_t, eps_high)) A logp_t     sg: no gradient (MiniMax-M1; ScaleRL: 5)
+        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A  tau: sapo_temperature_pos if A > 0, else _neg
     and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
     micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
         grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
@@ -462,14 +481,24 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]: then every token of a sequence is clipped alike
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
     keep = 1.0 if entropy_threshold is None else (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]: e_t
-    per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]: only high-entropy tokens learn
+    # only high-entropy tokens learn (keep). cispo: every token keeps a gradient, through logp,
+    # weighted by the capped ratio; sapo: a gate of slope 1 at r = 1, fading where the clip cuts
+    if loss_type == "cispo":
+        per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps * keep  # [B, T]
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg)  # [B, 1]
+        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * keep  # [B, T] or [B, 1]
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]
     if is_weights is not None:
         per_token = per_token * is_weights
     if beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
+        if use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
+            kl = kl * ratio
         per_token = per_token + beta * kl
     # The entropy bonus on the kept tokens: / k makes it their mean (as TRL), not sum / all tokens
     if entropy_coef != 0.0:
@@ -477,7 +506,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         per_token = per_token - entropy_coef * entropy * keep / kept_share
 
     sequences = logps.shape[0] if global_count is None else global_count
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     elif loss_type == "bnpo":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
@@ -485,7 +514,7 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         if max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
         loss = (per_token * mask).sum() / (sequences * max_completion_length)
-    elif loss_type == "dapo":
+    elif loss_type in ("dapo", "cispo"):
         denominator = mask.sum() if global_count is None else torch.as_tensor(global_count, dtype=logps.dtype)
         loss = (per_token * mask).sum() / denominator.clamp(min=1)
     else:
@@ -494,8 +523,9 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-        low = (ratio < 1 - epsilon_low) & (adv < 0)  # pushed down past the clip: no gradient
-        high = (ratio > 1 + epsilon_high) & (adv > 0)  # pushed up past the clip: no gradient
+        # tokens past the clip, where the ratio gets no gradient (cispo: where its weight is capped)
+        low = (ratio < 1 - epsilon_low) & (adv < 0) & (loss_type != "cispo")
+        high = (ratio > (epsilon_high if loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
         stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
                  "clip_ratio/region": token_mean(low | high)}
         if beta != 0.0:
@@ -815,19 +845,30 @@ def check_distinct_shards(positions, env):
         raise RuntimeError("two ranks were given the same data positions: the data sharding is broken")
 
 
-def encode_prompt(tokenizer, prompt) -> list[int]:
+# One tool-call format (Qwen's, Hermes): in a system message for templates without a tools section
+TOOLS_PROMPT = ("# Tools\n\nYou may call these functions, given as JSON schemas:\n{}\n\n"
+                "To call one, write <tool_call>"
+                '{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>')
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def encode_prompt(tokenizer, prompt, tools=()) -> list[int]:
     """A prompt (text, or a list of chat messages) -> token ids through the chat template, ready to generate."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tokenizer.chat_template is None:  # a base model: plain text
         return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if tools and "tools" not in str(tokenizer.chat_template):  # no tools section: a system message
+        schemas = "\n".join(map(json.dumps, tools))
+        messages = [{"role": "system", "content": TOOLS_PROMPT.format(schemas)}] + messages
+    text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def tokenize_rows(rows, tokenizer, max_prompt_length, what):
+def tokenize_rows(rows, tokenizer, max_prompt_length, what, tools=()):
     """Add 'prompt_ids' to each row; drop (and report) prompts longer than max_prompt_length."""
     for row in rows:
-        row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"])
+        row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"], tools)
     kept = [row for row in rows if len(row["prompt_ids"]) <= max_prompt_length]
     if len(kept) < len(rows):
         print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
@@ -840,9 +881,18 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what):
 
 def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
+    from transformers.utils import get_json_schema
+
     tokenizer, (train_rows, eval_rows) = load_tokenizer(cfg.model, cfg.trust_remote_code), load_rows(cfg)
-    return tokenizer, tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training"), \
-        tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval")
+    if cfg.tools and tokenizer.chat_template is None:
+        raise ConfigError("--tools: the model has no chat template to render tool results with")
+    try:  # what the model is shown: each tool's type hints and docstring
+        tools = [get_json_schema(fn) for fn in load_tools(cfg).values()]
+    except Exception as e:  # transformers' own kinds: a missing type hint, no Args section, ...
+        raise ConfigError(f"--tools: {e} (see README, Tools)") from None
+    train_rows = tokenize_rows(train_rows, tokenizer, cfg.max_prompt_length, "training", tools)
+    eval_rows = tokenize_rows(eval_rows, tokenizer, cfg.max_prompt_length, "eval", tools)
+    return tokenizer, train_rows, eval_rows
 
 
 @functools.lru_cache(maxsize=4)
@@ -874,7 +924,7 @@ def quiet_engine_start(cuda: bool):
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
                 "torch.set_num_threads", "JIT compilation during inference",
-                "Ignoring clean_up_tokenization_spaces")
+                "Ignoring clean_up_tokenization_spaces", "support disabling chunked prefill")
     for handler in logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers:
         handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
     captured = io.StringIO()
@@ -946,20 +996,23 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
                           logprobs=0 if logprobs else None, flat_logprobs=True)
 
 
-def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None) -> list:
+def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
     """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside). seeds: one per prompt;
     vLLM samples the n completions of prompt i from their own generators seeded seeds[i], seeds[i] + 1, ...: the
-    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it), or the rank."""
+    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it),
+    or the rank. max_tokens: one per prompt, in place of params.max_tokens (a tool turn's room)."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
-        return llm.generate([{"prompt_token_ids": ids} for ids, _ in requests],
-                            [params if s is None else replace(params, seed=s) for _, s in requests], use_tqdm=False)
+        return llm.generate([{"prompt_token_ids": ids} for ids, _, _ in requests],
+                            [replace(params, seed=s, max_tokens=m or params.max_tokens)
+                             for _, s, m in requests], use_tqdm=False)
 
     def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
         return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
-    return tp_generate(run, list(zip(prompt_ids, seeds or [None] * len(prompt_ids))), env.tp_group, env.tp,
-                       fingerprint)
+    none = [None] * len(prompt_ids)
+    requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
+    return tp_generate(run, requests, env.tp_group, env.tp, fingerprint)
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
@@ -1260,19 +1313,32 @@ def lr_lambda(cfg: Config):
 # Rollout: generate, score, advantages. A prompt's G completions stay on the rank that owns the prompt.
 # ----------------------------------------------------------------------------------------------------------------
 
-def load_reward_funcs(cfg: Config):
-    """(functions, weights [F]): names from reward_fns.py, or module:function for your own (ConfigError if absent)."""
+def load_functions(names: list[str], builtins: dict, flag: str) -> list:
+    """Functions by name: from `builtins` (reward_fns.py's), or module:function for your own
+    (ConfigError if absent)."""
     funcs = []
-    for name in cfg.reward_funcs:
+    for name in names:
         module, _, fn = name.rpartition(":")
         try:
-            funcs.append(getattr(importlib.import_module(module), fn) if module else reward_fns.REWARD_FUNCS[fn])
+            funcs.append(getattr(importlib.import_module(module), fn) if module else builtins[fn])
             if not callable(funcs[-1]):
                 raise AttributeError(f"{fn} is not a function")
         except (ImportError, AttributeError, KeyError) as e:
-            raise ConfigError(f"--reward_funcs: cannot load {name!r} ({type(e).__name__}: {e}); use one of "
-                              f"{', '.join(reward_fns.REWARD_FUNCS)}, or module:function on PYTHONPATH") from None
+            message = f"cannot load {name!r} ({type(e).__name__}: {e})"
+            raise ConfigError(f"--{flag}: {message}; use one of {', '.join(builtins)}, or "
+                              "module:function on PYTHONPATH") from None
+    return funcs
+
+
+def load_reward_funcs(cfg: Config):
+    """(functions, weights [F]) of --reward_funcs and --reward_weights."""
+    funcs = load_functions(cfg.reward_funcs, reward_fns.REWARD_FUNCS, "reward_funcs")
     return funcs, torch.tensor(cfg.reward_weights or [1.0] * len(funcs))
+
+
+def load_tools(cfg: Config) -> dict:
+    """{name: function} of --tools (their schemas are checked by prepare_data)."""
+    return {fn.__name__: fn for fn in load_functions(cfg.tools, reward_fns.TOOLS, "tools")}
 
 
 def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
@@ -1298,15 +1364,17 @@ def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
     return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
 
 
-def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu"):
+def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu", scored=None):
     """Sequences (prompt + completion) concatenated into ONE row, no padding: Policy's first five inputs, on device.
     input_ids, position_ids [1, L], the position ids restarting at 0 at each sequence (for RoPE); cu_seqlens [B + 1]
     (int32: where each sequence starts, then L) and the longest sequence's length, for the varlen attention kernel
-    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion token, in order."""
+    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion
+    token, in order (scored [B, T]: of its ones only, so tool results are read but not scored)."""
+    scored = completion_mask_of(completions) if scored is None else scored
     ids, positions, starts, index = [], [], [], []
-    for p, c in zip(prompts, completions):
+    for p, c, row in zip(prompts, completions, scored.tolist()):
         starts.append(len(ids))
-        index += range(len(ids) + len(p), len(ids) + len(p) + len(c))
+        index += [len(ids) + len(p) + t for t in range(len(c)) if row[t]]
         ids += p + c
         positions += range(len(p) + len(c))
     cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)
@@ -1336,6 +1404,89 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
     return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
 
 
+def add_turn(c, sample=None) -> SimpleNamespace:
+    """sample (None: a new one) with vLLM's completion c, a turn, appended: token_ids, tool_mask (0:
+    a tool result's token), the model tokens' logprobs, the last turn's tokens and finish_reason."""
+    sample = sample or SimpleNamespace(token_ids=[], tool_mask=[], logprobs=[])
+    sample.token_ids += c.token_ids
+    sample.tool_mask += [1] * len(c.token_ids)
+    sample.logprobs += [] if c.logprobs is None else c.logprobs.logprobs
+    sample.last_turn = c.token_ids
+    sample.finish_reason = c.finish_reason
+    return sample
+
+
+def call_tool(tools: dict, call: str) -> tuple[bool, dict]:
+    """(failed, the tool message) of a call '{"name": ..., "arguments": {...}}': parsed as JSON,
+    never evaluated. As in TRL, a bad call or a tool that raises gives the result {'error': ...}."""
+    message = {"role": "tool", "name": "unknown"}
+    try:
+        call = json.loads(call)
+        message["name"] = str(call["name"])
+        if message["name"] not in tools:
+            raise ValueError(f"Tool {message['name']} not found.")
+        result = tools[message["name"]](**call.get("arguments", {}))
+    except Exception as e:  # noqa: BLE001 - whatever the tool raises
+        return True, {**message, "content": str({"error": str(e)})}
+    return False, {**message, "content": str(result)}
+
+
+def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The tokens that the chat template puts after a turn's EOS for these tool messages, up to the
+    next assistant header. As TRL: rendered after a dummy call and cut at its last EOS."""
+    call = {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": [call]}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False)
+    prefix = render(dummy)
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    start = ends[-1] + 1 if ends else len(prefix)
+    return render(dummy + messages, add_generation_prompt=True)[start:]
+
+
+def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=None):
+    """--tools (TRL's loop): while the last turn of a sample called tools, the results (read, never
+    trained on) and its next turn are appended, one generate call per turn, until a turn calls none,
+    --max_tool_calling_iterations, or results that would not fit max_completion_length (dropped).
+    seed_keys: (i, j) per sample (None: greedy). Returns [calls, failed calls, turns], summed."""
+    from msgspec.structs import replace  # SamplingParams is a msgspec struct
+
+    counts = torch.tensor([0.0, 0.0, len(samples)])  # [calls, failed calls, turns]
+    if not cfg.tools:
+        return counts
+    tools = load_tools(cfg)
+    took_turn = list(range(len(samples)))
+    # no limit: every turn adds a token at least, so max_completion_length turns are enough
+    for turn in range(1, (cfg.max_tool_calling_iterations or cfg.max_completion_length) + 1):
+        active = []  # the samples that take this turn
+        for k in took_turn:
+            sample = samples[k]
+            calls = TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
+            results = [call_tool(tools, call) for call in calls]
+            counts += torch.tensor([len(results), sum(failed for failed, _ in results), 0])
+            suffix = tool_suffix_ids(tokenizer, [msg for _, msg in results]) if results else []
+            if results and len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
+                sample.token_ids += suffix
+                sample.tool_mask += [0] * len(suffix)
+                active.append(k)
+        # the ranks of a TP group drive one engine: they take every turn together
+        group_active = [None] * env.tp
+        dist.all_gather_object(group_active, bool(active), group=env.tp_group)
+        if not any(group_active):
+            break
+        seeds = None  # greedy: the eval
+        if seed_keys:  # completion j of the prompt at position i: turn t seeded by (seed, i, j, t)
+            seeds = [derive_seed(cfg.seed, "rollout", *seed_keys[k], turn) for k in active]
+        requests = [prompt_ids[k] + samples[k].token_ids for k in active]
+        room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
+        outputs = generate(llm, env, requests, replace(params, n=1), seeds, max_tokens=room)
+        for k, out in zip(active, outputs):
+            add_turn(out.outputs[0], samples[k])
+        counts[2] += len(active)
+        took_turn = active
+    return counts
+
+
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
     """Generate G completions per prompt, score them and compute advantages: this rank's generation batch.
     positions: the rows' global data positions, which seed their samples."""
@@ -1344,10 +1495,13 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         # completion j of the prompt at data position i has its own seed, base + G i + j: a pure function of (run
         # seed, position), so a resume on any number of GPUs samples the same tokens, and no two completions share one
         seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
-        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], sampling_params(cfg, logprobs=need_logprobs),
-                           seeds)
-    samples = [c for out in outputs for c in out.outputs]  # N = len(rows) * G, grouped by prompt
-    completion_ids = [list(c.token_ids) for c in samples]
+        params = sampling_params(cfg, logprobs=need_logprobs)
+        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds)
+        samples = [add_turn(c) for out in outputs for c in out.outputs]  # N, grouped by prompt
+        prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
+        seed_keys = [(i, j) for i in positions for j in range(G)]
+        tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys)
+    completion_ids = [s.token_ids for s in samples]
 
     with timed(ledger, "reward", env):
         rewards_per_func = score(reward_funcs, rows, completion_ids, G, tokenizer, cfg.max_completion_length)  # [N, F]
@@ -1359,7 +1513,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     # with fewer than 2 scored completions (std NaN) varies no more than a constant one.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
-    generated = torch.tensor([len(rows), float((~flat).sum()), sum(map(len, completion_ids))])
+    sampled = sum(sum(s.tool_mask) for s in samples)  # tokens the model sampled (not tool results)
+    generated = torch.tensor([len(rows), float((~flat).sum()), float(sampled)])
     if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's groups, informative first
         step_groups = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
         groups = torch.argsort(flat.int(), stable=True)[:step_groups]
@@ -1377,16 +1532,18 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
     prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
-    completion_mask = completion_mask_of(completion_ids)  # [N, T]
+    model_tokens = [torch.tensor(s.tool_mask) for s in samples]  # 1: the model's token, 0: a tool's
+    completion_mask = nn.utils.rnn.pad_sequence(model_tokens, batch_first=True)  # [N, T]
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    truncated = torch.tensor([is_truncated(c.token_ids, c.finish_reason, end_ids) for c in samples])
+    truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in samples])
     loss_mask = completion_mask.float()
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     if cfg.dynamic_sampling_factor > 1:  # uninformative groups that filled a short step: no loss
         loss_mask = loss_mask * (~flat).float().repeat_interleave(G).unsqueeze(1)
-    vllm_logps = torch.zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), torch.tensor(  # [N, T]
-        [lp for c in samples for lp in c.logprobs.logprobs])) if need_logprobs else None  # the mask's row-major order
+    vllm_logps = torch.zeros(completion_mask.shape) if need_logprobs else None  # [N, T]
+    if need_logprobs:  # vLLM's logprob of every token it sampled, in the mask's row-major order
+        vllm_logps[completion_mask.bool()] = torch.tensor([x for s in samples for x in s.logprobs])
     return SimpleNamespace(
         prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
         advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
@@ -1396,7 +1553,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
                "zero_std": zero_std.float(), "generated": generated,  # generated: groups, varied groups, tokens
                "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
-               "prompt_tokens": sum(map(len, prompt_ids))},
+               "prompt_tokens": sum(map(len, prompt_ids)),
+               "tools": tool_counts},
     )
 
 
@@ -1418,7 +1576,8 @@ def micro_batch(batch, rows: range, device):
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[rows, :T].to(device)
     return SimpleNamespace(
-        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device),  # Policy's first inputs
+        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device,  # Policy's inputs
+                    batch.completion_mask[rows, :T]),
         completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
         advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
@@ -1464,7 +1623,8 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
     # GLOBAL count (sequences; dapo: loss tokens) of all ranks and micro-batches. DDP and FSDP2 both average gradients
     # over ranks (/ world): x world undoes that. bnpo: a token mean per micro-batch, averaged over them (and ranks).
     mask = gen_batch.loss_mask  # [N, T]
-    count = (mask.sum() if cfg.loss_type == "dapo" else mask.new_tensor(len(mask))).to(env.device)
+    token_mean = cfg.loss_type in ("dapo", "cispo")  # over the global batch's tokens
+    count = (mask.sum() if token_mean else mask.new_tensor(len(mask))).to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
     global_count, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
@@ -1498,7 +1658,11 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
                 loss, loss_stats = grpo_loss(
                     logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
                     cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    global_count, is_weights, cfg.importance_sampling_level, entropy, cfg.entropy_coef, threshold)
+                    global_count, is_weights, cfg.importance_sampling_level, entropy,
+                    cfg.entropy_coef, threshold,
+                    sapo_temperature_pos=cfg.sapo_temperature_pos,
+                    sapo_temperature_neg=cfg.sapo_temperature_neg,
+                    use_bias_correction_kl=cfg.use_bias_correction_kl)
                 (loss * loss_scale).backward()
             tokens = mb.loss_mask.sum()
             add("loss", loss * loss_scale)
@@ -1536,8 +1700,11 @@ def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
     """Greedy decoding on the held-out split; the mean of each reward function (accuracy_reward = accuracy)."""
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather inside generate
-    outputs = generate(llm, env, [row["prompt_ids"] for row in mine], sampling_params(cfg, greedy=True))
-    ids = [list(o.outputs[0].token_ids) for o in outputs]
+    prompt_ids = [row["prompt_ids"] for row in mine]
+    params = sampling_params(cfg, greedy=True)
+    samples = [add_turn(out.outputs[0]) for out in generate(llm, env, prompt_ids, params)]
+    tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params)
+    ids = [s.token_ids for s in samples]
     sums = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length).nan_to_num(0.0).sum(0) if mine \
         else torch.zeros(len(reward_funcs))
     totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
@@ -1637,6 +1804,7 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
         "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
+        **dict(zip(("tool_calls", "tool_failures", "turns"), s["tools"])),
         **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
            for j, fn in enumerate(reward_funcs)},
         **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
@@ -1667,6 +1835,10 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
               "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
+    if cfg.tools:  # TRL's call_frequency (per generated completion), failure_frequency (per call)
+        m["tools/call_frequency"] = t["tool_calls"] / (t["generated_groups"] * cfg.num_generations)
+        m["tools/failure_frequency"] = t["tool_failures"] / max(t["tool_calls"], 1)
+        m["tools/turns"] = t["turns"] / (t["generated_groups"] * cfg.num_generations)
     if cfg.dynamic_sampling_factor > 1:  # the share of generated groups whose rewards vary, and the extra cost
         m.update({"dynamic_sampling/informative_fraction": t["varied_groups"] / t["generated_groups"],
                   "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})

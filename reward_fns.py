@@ -11,9 +11,15 @@ float per completion; None is allowed for "not applicable" and is treated as 0 b
 
 Pass functions by name with `--reward_funcs accuracy_reward format_reward` (and `--reward_weights 1.0 0.5`),
 or your own as `--reward_funcs my_module:my_reward` (any importable module).
+
+The tools for `--tools` (TRL's convention) are at the end: plain functions with type hints and a
+docstring whose Args section describes every argument (transformers' get_json_schema makes them the
+schema that the model sees).
 """
 
+import ast
 import functools
+import operator
 import re
 import warnings
 
@@ -109,3 +115,47 @@ def soft_overlong_punishment(prompts, completions, completion_ids, max_completio
 
 
 REWARD_FUNCS = {f.__name__: f for f in (accuracy_reward, format_reward, reward_len, soft_overlong_punishment)}
+
+
+# --tools: the model calls these with JSON arguments; what a tool raises, it reads as an error.
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 100  # with MAX_MAGNITUDE: no call can hang the rollout on a huge power
+MAX_MAGNITUDE = 1e300  # every intermediate value, so that floats stay finite
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+             ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def _evaluate(node):
+    """The value of an arithmetic syntax tree: numbers and OPERATORS only; the rest is refused."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+        return OPERATORS[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ValueError(f"exponent {right} is too large (at most {MAX_EXPONENT})")
+        value = OPERATORS[type(node.op)](left, right)
+        if abs(value) > MAX_MAGNITUDE:
+            raise ValueError(f"a value is larger than {MAX_MAGNITUDE:g}")
+        return value
+    raise ValueError(f"unsupported expression: {ast.unparse(node)!r}")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression and return its value.
+
+    Args:
+        expression: numbers with + - * / // % ** and parentheses, e.g. "37 + 58" or "(3 - 12) * 4"
+    """
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"the expression is longer than {MAX_EXPRESSION_CHARS} characters")
+    # parsed, never evaluated as Python: only the nodes _evaluate knows are computed
+    value = _evaluate(ast.parse(expression.strip(), mode="eval").body)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+TOOLS = {f.__name__: f for f in (calculator,)}

