@@ -26,6 +26,7 @@
 #             standalone vLLM), trl15 (ours, then TRL at its defaults, one call), smol (ours vs TRL, fixed and natural
 #             lengths), learn (40 steps, ours vs TRL, LEARN_SEEDS), resume (a resume's step 1), default (run.sh's GPU
 #             default run, 20 steps, old vs new)
+#   s11       issues 25/27/30: the tests marked gpu, run.sh's default run (6 steps, saved at 3) and its resume
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 set -uo pipefail
@@ -163,6 +164,18 @@ s10)
              done ;;
     esac
   done ;;
+s11)
+  # issues 25, 27 and 30 on the GPU, one call after staging: the tests marked gpu; run.sh's GPU default run for 6 steps
+  # saved at 3 (what a newcomer's log shows), then resumed from checkpoint-3 (a resume's step 1)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/pyt/*.whl > /dev/null 2>&1
+  versions | tee "$OUT/versions.txt"
+  timeout "${T_TESTS:-200}" bash run.sh test --gpu -v > "$OUT/s11-gpu-tests.txt" 2>&1; tail -4 "$OUT/s11-gpu-tests.txt"
+  D=(--max_steps 6 --eval_steps 3 --num_eval 64)
+  timeout 150 bash run.sh "${D[@]}" --save_steps 3 --output_dir outputs/s11 > "$OUT/s11-default.log" 2>&1
+  timeout 100 bash run.sh "${D[@]}" --save_steps -1 --output_dir outputs/s11r \
+    --resume_from_checkpoint outputs/s11/checkpoint-3 > "$OUT/s11-resumed.log" 2>&1
+  keep outputs/s11 s11-default; keep outputs/s11r s11-resumed
+  grep -h "^step\|engine ready\|eval at\|^world" "$OUT"/s11-*.log | cut -c1-250; wc -l "$OUT"/s11-*.log ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
      --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
