@@ -422,10 +422,10 @@ def load_model_config(cfg: Config):
                           "directory, or a hub id with hub access (see README, Troubleshooting)") from None
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The math papers change: advantages, the clipped surrogate with its normalisations, IS weights, logprobs.
 # Pure functions: tensors in, tensors out, no I/O and no process group.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def nanstd(grouped: torch.Tensor) -> torch.Tensor:
     """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values (NaN if < 2)."""
@@ -433,7 +433,8 @@ def nanstd(grouped: torch.Tensor) -> torch.Tensor:
     return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()  # [P, 1]
 
 
-def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, num_generations: int,
+                       scale_rewards: str = "group") -> torch.Tensor:
     """Group-relative advantages. rewards: [N], each consecutive block of num_generations values is one group.
 
         A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
@@ -451,39 +452,63 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
+# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's normalisations): the one
+# decision a new loss makes here, read by grpo_loss and loss_normaliser. N: the global batch's sequences.
+#   "sequences"   sum_i [ sum_t l m / sum_t m ] / N        each sequence weighs the same      grpo, sapo
+#   "tokens"      sum_it l m / (the global batch's loss tokens)     a token mean           dapo, cispo
+#   "constant"    sum_it l m / (N max_completion_length)   no length bias (Dr. GRPO)          dr_grpo
+#   "micro_batch" sum_it l m / sum_it m over this micro-batch alone (a mean of the means)    bnpo
+NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
+               "dr_grpo": "constant", "bnpo": "micro_batch"}
+
+
+def loss_normaliser(loss_type: str, loss_mask: torch.Tensor, world: int, num_micro_batches: int):
+    """(this rank's share of grpo_loss's global_count, the scale of each micro-batch's loss before backward).
+
+    A generation batch has one loss however ranks and micro-batches cut it: every micro-batch
+    divides its sum by the count of the WHOLE global batch (the caller all-reduces the shares), so
+    the micro-batches' gradients add up to the batch's. DDP and FSDP2 average gradients over ranks
+    (/ world): x world undoes that. micro_batch (bnpo): no global count; each micro-batch's mean
+    weighs 1 / num_micro_batches, and ranks average."""
+    normaliser = NORMALISERS[loss_type]
+    if normaliser == "micro_batch":
+        return None, 1.0 / num_micro_batches
+    if normaliser == "tokens":
+        return loss_mask.sum(), float(world)  # [N, T] -> loss tokens
+    return loss_mask.new_tensor(len(loss_mask)), float(world)  # sequences
+
+
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-              ref_logps=None, beta=0.0, max_completion_length=None, global_count=None, is_weights=None,
-              importance_sampling_level="token", entropy=None, entropy_coef=0.0,
+              ref_logps=None, beta=0.0, max_completion_length=None, global_count=None,
+              is_weights=None, importance_sampling_level="token", entropy=None, entropy_coef=0.0,
               entropy_threshold=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
               use_bias_correction_kl=True):
-    """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
+    """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
 
-    logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
-        r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
-        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
+    logps, old_logps, ref_logps, mask (m), entropy: [B, T]; advantages: [B]; is_weights (w): [B, T] or [B, 1].
+        r_t  = exp(logp_t - old_logp_t)        (== 1 with num_iterations 1: see train_step)
+        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   GSPO (sequence level): one
+               ratio per sequence, clipped whole and broadcast to its tokens
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t - c H_t e_t / k
-        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3; r_t: use_bias_correction_kl)
+        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3; x r_t: use_bias_correction_kl)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
-        k    = sum_it e m / sum_it m                   kept_share: the share of the loss tokens kept
-    cispo (normalised as dapo) and sapo (as grpo), TRL 1.16's, put in place of the min(...) term:
-        cispo    -sg(min(r_t, eps_high)) A logp_t     sg: no gradient (MiniMax-M1; ScaleRL: 5)
-        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A  tau: sapo_temperature_pos if A > 0, else _neg
-    and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
-    micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
-        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
-        bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
-        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (global_count = N)
-        dapo     sum_it l m / global_count                    token mean over the global batch  (global_count = tokens)
+        k    = sum_it e m / sum_it m                           the share of the loss tokens kept
+    cispo and sapo (TRL 1.16's) take the place of the min(...) term:
+        cispo    -sg(min(r_t, eps_high)) A logp_t              sg: no gradient (MiniMax-M1)
+        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A           tau: sapo_temperature_pos if A > 0, else _neg
+    global_count: the global batch's sequences or tokens (loss_normaliser); None: this micro-batch's own.
     Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
     log_ratio = logps - old_logps  # [B, T]
-    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
-        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
-    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]: then every token of a sequence is clipped alike
-    keep = 1.0 if entropy_threshold is None else (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]: e_t
-    # only high-entropy tokens learn (keep). cispo: every token keeps a gradient, through logp,
-    # weighted by the capped ratio; sapo: a gate of slope 1 at r = 1, fading where the clip cuts
+    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the token ratios
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
+    keep = 1.0  # e_t: only high-entropy tokens learn
+    if entropy_threshold is not None:
+        keep = (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]
+    # cispo: every token keeps a gradient, through logp, weighted by the capped ratio; sapo: a gate of
+    # slope 1 at r = 1, fading where the clip would cut
     if loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps * keep  # [B, T]
     elif loss_type == "sapo":
@@ -500,25 +525,25 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         if use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + beta * kl
-    # The entropy bonus on the kept tokens: / k makes it their mean (as TRL), not sum / all tokens
+    # the entropy bonus on the kept tokens: / k makes it their mean (as TRL), not their sum / all tokens
     if entropy_coef != 0.0:
         kept_share = (keep * mask).sum().clamp(min=1) / mask.sum().clamp(min=1)
         per_token = per_token - entropy_coef * entropy * keep / kept_share
 
-    sequences = logps.shape[0] if global_count is None else global_count
-    if loss_type in ("grpo", "sapo"):
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
-    elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        loss = (per_token * mask).sum() / (sequences * max_completion_length)
-    elif loss_type in ("dapo", "cispo"):
-        denominator = mask.sum() if global_count is None else torch.as_tensor(global_count, dtype=logps.dtype)
-        loss = (per_token * mask).sum() / denominator.clamp(min=1)
+    normaliser = NORMALISERS[loss_type]
+    total = per_token * mask  # [B, T]
+    if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
+        loss = total.sum() / mask.sum().clamp(min=1)
+    elif normaliser == "tokens":
+        loss = total.sum() / torch.as_tensor(global_count, dtype=logps.dtype).clamp(min=1)
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+        sequences = logps.shape[0] if global_count is None else global_count
+        if normaliser == "sequences":
+            loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
+        elif max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        else:
+            loss = total.sum() / (sequences * max_completion_length)
 
     with torch.no_grad():
         def token_mean(x):
@@ -526,8 +551,11 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         # tokens past the clip, where the ratio gets no gradient (cispo: where its weight is capped)
         low = (ratio < 1 - epsilon_low) & (adv < 0) & (loss_type != "cispo")
         high = (ratio > (epsilon_high if loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
-        stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
-                 "clip_ratio/region": token_mean(low | high)}
+        stats = {
+            "clip_ratio/low": token_mean(low),
+            "clip_ratio/high": token_mean(high),
+            "clip_ratio/region": token_mean(low | high),
+        }
         if beta != 0.0:
             stats["kl"] = token_mean(kl)
     return loss, stats
@@ -551,19 +579,23 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
 
 
 def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
-    """[N, V] bool: the tokens vLLM's sampler keeps, as vllm/v1/sample/ops/topk_topp_sampler.py computes it: top-k
-    keeps logits >= the k-th largest, then top-p drops ascending tokens while their cumulative mass is <= 1 - p."""
+    """[N, V] bool: the tokens vLLM's sampler keeps, as vllm/v1/sample/ops/topk_topp_sampler.py
+    computes it: top-k keeps logits >= the k-th largest, then top-p drops ascending tokens while
+    their cumulative mass is <= 1 - p."""
     sorted_logits, order = logits.sort(dim=-1)  # [N, V] ascending
     if top_k > 0:  # below the k-th largest value (ties with it stay)
-        sorted_logits.masked_fill_(sorted_logits < sorted_logits[:, max(logits.shape[-1] - top_k, 0), None], -math.inf)
-    if top_p < 1:  # cumulative mass from the bottom <= 1 - top_p (after top-k); the top token always stays
-        sorted_logits[:, :-1].masked_fill_(sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p, -math.inf)
+        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [N, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    if top_p < 1:  # cumulative mass from the bottom <= 1 - top_p (after top-k); the top token stays
+        below = sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p  # [N, V - 1]
+        sorted_logits[:, :-1].masked_fill_(below, -math.inf)
     return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
 
 
 def logit_stats(z, targets, temperature, keep=None):
-    """One chunk's logits z [n, V] -> (logp of the targets, entropy, logsumexp over the kept set, logsumexp), [n]
-    each, in fp32. keep: [n, V], the tokens vLLM's top-k/top-p sampler keeps (None: all of them)."""
+    """One chunk's logits z [n, V] -> (logp of the targets, entropy, logsumexp over the kept set,
+    logsumexp), [n] each, in fp32. keep: [n, V], the tokens vLLM's top-k/top-p sampler keeps (None:
+    all of them)."""
     z = z.float() / temperature  # [n, V]
     lse = torch.logsumexp(z, dim=-1)  # [n]
     # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's, whatever is kept
@@ -590,29 +622,32 @@ def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logp
     return (dz / temperature).to(z.dtype)
 
 
-# On CUDA both run compiled: each becomes one or two fused kernels over the chunk's bf16 logits, where eager PyTorch
-# makes several passes over an fp32 copy. Neither builds an autograd graph, so compiling them takes seconds.
+# On CUDA both run compiled: each becomes one or two fused kernels over the chunk's bf16 logits,
+# where eager PyTorch makes several passes over an fp32 copy. Neither builds an autograd graph, so
+# compiling them takes seconds.
 COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """Per-token logprobs and entropies of the rows of hidden [N, H] (weight: the lm_head [V, H]), chunk_size rows
-    at a time, so [N, V] logits never exist at once. Forward keeps only [N] statistics; backward recomputes each
-    chunk's logits (one extra lm_head matmul) and takes their gradient from logit_grads."""
+    """Per-token logprobs and entropies of the rows of hidden [N, H] (weight: the lm_head [V, H]),
+    chunk_size rows at a time, so [N, V] logits never exist at once. Forward keeps only [N]
+    statistics; backward recomputes each chunk's logits (one extra lm_head matmul) and takes their
+    gradient from logit_grads."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
-        # the matmuls run in autocast's dtype when it is on (backward runs outside autocast: keep it for there)
+        # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         stats = COMPILED[logit_stats] if hidden.is_cuda else logit_stats
         w = weight.to(dtype)  # [V, H]
         logps, entropy, lse_kept, lse = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4))
         for start in range(0, len(hidden), chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = F.linear(hidden[rows].to(dtype), w)  # [n, V]
-            keep = kept_tokens(z, targets[rows], temperature, top_k, top_p)
-            logps[rows], entropy[rows], lse_kept[rows], lse[rows] = stats(z, targets[rows], temperature, keep)
+            chunk = slice(start, start + chunk_size)
+            z = F.linear(hidden[chunk].to(dtype), w)  # [n, V]
+            keep = kept_tokens(z, targets[chunk], temperature, top_k, top_p)
+            out = stats(z, targets[chunk], temperature, keep)
+            logps[chunk], entropy[chunk], lse_kept[chunk], lse[chunk] = out
         ctx.save_for_backward(hidden, weight, targets, lse_kept, lse, entropy)
         ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
         ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets no gradient: None
@@ -629,20 +664,20 @@ class TokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)  # [N, H]
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H], summed over chunks in fp32
         for start in range(0, len(hidden), chunk_size):
-            rows = slice(start, start + chunk_size)
-            h = hidden[rows].to(dtype)  # [n, H]
+            chunk = slice(start, start + chunk_size)
+            h = hidden[chunk].to(dtype)  # [n, H]
             z = F.linear(h, w)  # [n, V]
-            keep = kept_tokens(z, targets[rows], temperature, top_k, top_p)
-            dz = grads(z, targets[rows], temperature, keep, lse_kept[rows], lse[rows], entropy[rows],
-                       grad_logps[rows], grad_entropy[rows])  # [n, V]
-            grad_hidden[rows] = dz @ w
+            keep = kept_tokens(z, targets[chunk], temperature, top_k, top_p)
+            dz = grads(z, targets[chunk], temperature, keep, lse_kept[chunk], lse[chunk], entropy[chunk],
+                       grad_logps[chunk], grad_entropy[chunk])  # [n, V]
+            grad_hidden[chunk] = dz @ w
             grad_weight += (dz.T @ h).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def kept_tokens(z, targets, temperature, top_k, top_p):
-    """[n, V] bool: the tokens the sampler keeps (top_k_top_p_mask), plus the target, whose logp stays finite where
-    bf16 noise moved it across the boundary; None when nothing is filtered."""
+    """[n, V] bool: the tokens the sampler keeps (top_k_top_p_mask), plus the target, whose logp
+    stays finite where bf16 noise moved it across the boundary; None when nothing is filtered."""
     if top_k == 0 and top_p == 1:
         return None
     return top_k_top_p_mask(z.float() / temperature, top_k, top_p).scatter_(-1, targets[:, None], True)
@@ -650,14 +685,16 @@ def kept_tokens(z, targets, temperature, top_k, top_p):
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
                      entropy_grad=False):
-    """(logps, entropies) [N] of the rows of hidden [N, H] for targets [N] (top-k/top-p: over the kept set). The
-    entropy carries a gradient only with entropy_grad (--entropy_coef); otherwise it is logged, or ranks tokens."""
+    """(logps, entropies) [N] of the rows of hidden [N, H] for targets [N] (top-k/top-p: over the
+    kept set). The entropy carries a gradient only with entropy_grad (--entropy_coef); otherwise it
+    is logged, or ranks tokens."""
     logps, entropy = TokenLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p, chunk_size)
     return logps, entropy if entropy_grad else entropy.detach()
 
 
 def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
-    """The q-quantile of the loss tokens' entropies in every rank's micro-batch, as TRL's get_high_entropy_mask."""
+    """The q-quantile of the loss tokens' entropies in every rank's micro-batch, as TRL's
+    get_high_entropy_mask."""
     local = entropy.detach()[mask.bool()].float()  # [n]
     if world > 1:  # pad every rank to the longest with -inf, gather, drop the padding
         n = torch.tensor(local.numel(), device=local.device)
@@ -669,7 +706,8 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
 
 
 def derive_seed(*parts) -> int:
-    """A 31-bit seed from any tuple of parts (run seed, purpose, step, ...): stable across runs and machines."""
+    """A 31-bit seed from any tuple of parts (run seed, purpose, step, ...): stable across runs and
+    machines."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
@@ -1597,13 +1635,14 @@ def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Train: one optimizer step over the rank's generation batch, in micro-batches.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
-    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are whole
-    on every rank, FSDP2's are shards (DTensors; CPU RAM with offload): their squares are all-reduced."""
+    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping).
+    DDP's gradients are whole on every rank; FSDP2's are shards (DTensors): their squares are summed
+    over ranks."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
     sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().to(env.device)
     if any(isinstance(p.grad, DTensor) for p in params):
@@ -1617,96 +1656,112 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step=None) -> dict:
-    """Returns sums over the micro-batches (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
+    """One optimizer step on this rank's generation batch, in micro-batches. Returns the sums over its
+    micro-batches of what is logged (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
     plan = plan_micro_batches(gen_batch, cfg, env)
-    # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
-    # GLOBAL count (sequences; dapo: loss tokens) of all ranks and micro-batches. DDP and FSDP2 both average gradients
-    # over ranks (/ world): x world undoes that. bnpo: a token mean per micro-batch, averaged over them (and ranks).
-    mask = gen_batch.loss_mask  # [N, T]
-    token_mean = cfg.loss_type in ("dapo", "cispo")  # over the global batch's tokens
-    count = (mask.sum() if token_mean else mask.new_tensor(len(mask))).to(env.device)
-    if env.world > 1:
-        dist.all_reduce(count)
-    global_count, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
-    sums = {}  # token-weighted sums of the per-micro-batch stats, for logging: tensors until the step ends (a
-    # float() per stat and micro-batch would stall the GPU each time while the host catches up)
+    # the global count and the scale of every micro-batch's loss: see loss_normaliser
+    count, loss_scale = loss_normaliser(cfg.loss_type, gen_batch.loss_mask, env.world, len(plan))
+    global_count = None
+    if count is not None:
+        count = count.to(env.device)
+        if env.world > 1:
+            dist.all_reduce(count)
+        global_count = count.item()
+    # The logged stats stay tensors until the step ends: a float() per stat and micro-batch would
+    # stall the GPU each time while the host catches up.
+    sums = {}
 
-    def add(name, value, weight=1.0):
-        sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
+    def add(name, value):
+        sums[name] = sums.get(name, 0.0) + value.detach().float()
 
     with timed(ledger, "fwd_bwd", env):
-        micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # host work and copies, first:
-        for i, mb in enumerate(micro_batches):  # then the GPU runs the micro-batches back to back, never waiting
-            # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
-            # unsharded gradients across micro-batches would cost a full model's worth of memory.
+        # host work and copies first; then the GPU runs the micro-batches back to back, never waiting
+        micro_batches = [micro_batch(gen_batch, seqs, env.device) for seqs in plan]
+        for i, mb in enumerate(micro_batches):
+            # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one:
+            # unsharded gradients held across micro-batches would cost a full model of memory.
             last = i == len(micro_batches) - 1
-            sync = nullcontext() if last or not isinstance(policy, DDP) else policy.no_sync()
-            with sync:
+            grad_sync = nullcontext()
+            if isinstance(policy, DDP) and not last:
+                grad_sync = policy.no_sync()
+            with grad_sync:
                 with autocast(env):
-                    logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
-                # Old logprobs. num_iterations 1: this forward's, detached (the engine sampled with these weights and
-                # no update comes between micro-batches: ratio = 1, gradient = that of logp, no extra forward). > 1:
-                # run() froze them (no_grad_logps) before the first of the steps on this generation batch.
+                    logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature,
+                                            cfg.top_k, cfg.top_p)  # [b, T] each
+                # Old logprobs, the policy that sampled. num_iterations 1: this forward's, detached
+                # (the engine sampled with these weights and no update comes between micro-batches:
+                # ratio = 1, the gradient is that of logp, and no extra forward). > 1: frozen by
+                # no_grad_logps in run() before the first of the steps on this generation batch.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.completion_mask,
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
-                threshold = None if cfg.top_entropy_quantile == 1 else \
-                    entropy_quantile(entropy, mb.loss_mask, 1 - cfg.top_entropy_quantile, env.world)
+                threshold = None
+                if cfg.top_entropy_quantile < 1:
+                    q = 1 - cfg.top_entropy_quantile
+                    threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
                 loss, loss_stats = grpo_loss(
-                    logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
-                    cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    global_count, is_weights, cfg.importance_sampling_level, entropy,
-                    cfg.entropy_coef, threshold,
+                    logps, old, mb.advantages, mb.loss_mask, cfg.loss_type,
+                    epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
+                    ref_logps=mb.ref_logps, beta=cfg.beta, use_bias_correction_kl=cfg.use_bias_correction_kl,
+                    max_completion_length=cfg.max_completion_length, global_count=global_count,
+                    is_weights=is_weights, importance_sampling_level=cfg.importance_sampling_level,
+                    entropy=entropy, entropy_coef=cfg.entropy_coef, entropy_threshold=threshold,
                     sapo_temperature_pos=cfg.sapo_temperature_pos,
-                    sapo_temperature_neg=cfg.sapo_temperature_neg,
-                    use_bias_correction_kl=cfg.use_bias_correction_kl)
+                    sapo_temperature_neg=cfg.sapo_temperature_neg)
                 (loss * loss_scale).backward()
+            # plain sums; the stats that are token means, weighted by the micro-batch's loss tokens
             tokens = mb.loss_mask.sum()
             add("loss", loss * loss_scale)
             for k, v in loss_stats.items():
-                add(k, v, tokens)
+                add(k, v * tokens)
             add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
-                m = mb.completion_mask
+                m = mb.completion_mask  # [b, T]
                 add("logprob_gap", ((old - mb.vllm_logps).abs() * m).nansum())
-                w = is_weights if is_weights.shape[1] > 1 else is_weights.expand_as(m)
+                w = is_weights.expand_as(m)  # [b, T] (sequence level: [b, 1] broadcast)
                 add("is_weight", (w * m).sum())
                 add("is_masked", ((w == 0).float() * m).sum())
             add("tokens", tokens)
             add("completion_tokens", mb.completion_mask.sum())
-    stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
-    if canary_step is not None:  # the canary (see ColocatedEngine), before the update: a stale engine never trains
-        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step, skipped below
-        stats["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
+    stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
+    # the canary (see ColocatedEngine), before the update: a stale engine never trains
+    if canary_step is not None:
+        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step, skipped
+        gap = 0.0 if math.isnan(gap) else gap
+        stats["canary_gap"] = check_gap(gap, env, canary_step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
-        grad_norm = clip_grad_norm([p for p in policy.parameters() if p.grad is not None], cfg.max_grad_norm, env)
-        # a NaN/inf loss makes the gradient non-finite; the norm is global, so every rank decides alike
+        params = [p for p in policy.parameters() if p.grad is not None]
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, env)
+        # a NaN/inf loss makes the gradient non-finite; the norm is global: every rank decides alike
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    stats["grad_norm"], stats["skipped"] = grad_norm.item(), float(not finite)
+    stats["grad_norm"] = grad_norm.item()
+    stats["skipped"] = float(not finite)
     return stats
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eval, checkpoints, logging.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
-    """Greedy decoding on the held-out split; the mean of each reward function (accuracy_reward = accuracy)."""
+    """Greedy decoding on the held-out split (with the tools); each reward function's mean."""
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather inside generate
     prompt_ids = [row["prompt_ids"] for row in mine]
     params = sampling_params(cfg, greedy=True)
     samples = [add_turn(out.outputs[0]) for out in generate(llm, env, prompt_ids, params)]
     tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params)
     ids = [s.token_ids for s in samples]
-    sums = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length).nan_to_num(0.0).sum(0) if mine \
-        else torch.zeros(len(reward_funcs))
+    sums = torch.zeros(len(reward_funcs))  # [F]
+    if mine:
+        scores = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length)  # [n, F]
+        sums = scores.nan_to_num(0.0).sum(0)
     totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
     dist.all_reduce(totals)
     means = (totals[:-1] / totals[-1]).tolist()
@@ -1714,11 +1769,10 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position: int) -> str:
-    """checkpoint-<step>/: the policy in HF format (fp32, gathered to rank 0; transformers and vLLM load it), the
-    tokenizer, the flags (grpo_config.json), AdamW (optimizer/, torch.distributed.checkpoint: a shard per rank; it
-    resumes under DDP or FSDP2, any world size), trainer_state.pt (step, data position, scheduler: plain numbers).
-    Written to a temp dir, renamed last: a kill leaves the complete checkpoint or a .tmp dir that resume ignores. LoRA:
-    adapter/ in peft's format (what resume reads); merged HF weights in the final checkpoint only."""
+    """checkpoint-<step>/ (what it holds and why a resume repeats the run: the module docstring,
+    Resume): the HF weights (fp32, gathered to rank 0), the tokenizer, grpo_config.json, AdamW
+    (optimizer/, DCP: a shard per rank) and trainer_state.pt. Written to a .tmp dir, renamed last.
+    LoRA: adapter/ (what resume reads); merged HF weights in the final checkpoint only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1731,20 +1785,27 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, dat
     lm, peft = unwrap(policy).lm, cfg.use_peft
     weights = {}  # every rank takes part in the gathers; rank 0 keeps the tensors, in CPU RAM
     merged = not peft or step == cfg.max_steps  # LoRA: the (merged) HF weights in the final checkpoint only
-    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20) if merged else ():
+    bucket = cfg.weight_push_bucket_mb << 20
+    for name, tensor in full_weights(lm, torch.float32, env.device, bucket) if merged else ():
         if env.is_main:
             weights[name] = tensor.cpu()
-    adapter = {n: full_tensor(p, torch.float32, env.device).cpu() for n, p in lm.named_parameters() if ".lora_" in n}
-    dcp.save({"optimizer": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
+    adapter = {}
+    for name, p in lm.named_parameters():
+        if ".lora_" in name:
+            adapter[name] = full_tensor(p, torch.float32, env.device).cpu()
+    optimizer_state = {"optimizer": get_optimizer_state_dict(policy, optimizer)}
+    dcp.save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))
     if env.is_main:
         if peft:
             lm.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
         if weights:
-            (lm.get_base_model() if peft else lm).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            base = lm.get_base_model() if peft else lm
+            base.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
-        # no RNG state: data order and rollout seeds derive from (seed, data position), and training draws none
+        # no RNG state: data order and rollout seeds derive from (seed, data position); only
+        # --lora_dropout draws, from the generator seeded by (seed, rank), restarted at a resume
         torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final + ".old", ignore_errors=True)  # left by a kill between the renames
@@ -1770,8 +1831,9 @@ def load_optimizer(path: str, policy, optimizer):
 
 MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
 
-PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
-                   "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}  # dense bf16; first match wins
+# dense bf16 FLOP/s by GPU name; the first match wins
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+                   "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 
 def matmul_params(lm: nn.Module) -> int:
@@ -1786,8 +1848,8 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """Note the GPU memory in use by everything on the device (trainer + engine), and this process's peak of
-    allocated tensors since the step began (the push resets that counter to measure itself): the max of samples."""
+    """The GPU memory in use by everything on the device (trainer + engine), and this process's
+    peak of allocated tensors since the step began: the max of the samples taken."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
@@ -1795,13 +1857,15 @@ def sample_memory(env, memory: dict):
                                        torch.cuda.max_memory_allocated(env.device) / 2**30)
 
 
-def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
+def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, sync_info,
+                   reward_funcs) -> dict:
     """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
     s = gen_batch.stats
     local = {
         "reward": s["rewards"].nansum(), "reward_sq": (s["rewards"] ** 2).nansum(),
         "n": float(len(s["rewards"])),
-        "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
+        "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(),
+        "groups": float(len(s["zero_std"])),
         "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
         **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
         **dict(zip(("tool_calls", "tool_failures", "turns"), s["tools"])),
@@ -1822,70 +1886,93 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
         "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
         "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
         "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
-        "loss": t["loss"] / env.world,  # each rank logged loss x loss_scale (see train_step): / world = the batch's
+        "loss": t["loss"] / env.world,  # each rank logged loss x loss_scale (loss_normaliser)
         "entropy": t["entropy"] / ctoks, "grad_norm": train_stats["grad_norm"],
-        **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl") if k in t},
+        **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl")
+           if k in t},
     }
     if "logprob_gap" in t:
         m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
                   "is_weight/masked": t["is_masked"] / ctoks})
-    m.update({**sync_info, **{k: train_stats[k] for k in ["canary_gap"] if k in train_stats}})  # a max over ranks
+    m.update(sync_info)  # the last push's metrics
+    if "canary_gap" in train_stats:  # a max over ranks
+        m["canary_gap"] = train_stats["canary_gap"]
     step_time = sum(ledger.values())
-    m.update({**{f"time/{k}": v for k, v in ledger.items()}, "time/step": step_time,
-              "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
+    m.update({f"time/{k}": v for k, v in ledger.items()})
+    m["time/step"] = step_time
+    # throughput: the step's completion tokens (what the policy learns from) per second and GPU
+    m["completion_tokens_per_sec_per_gpu"] = t["len"] / env.world / step_time
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
     if cfg.tools:  # TRL's call_frequency (per generated completion), failure_frequency (per call)
         m["tools/call_frequency"] = t["tool_calls"] / (t["generated_groups"] * cfg.num_generations)
         m["tools/failure_frequency"] = t["tool_failures"] / max(t["tool_calls"], 1)
         m["tools/turns"] = t["turns"] / (t["generated_groups"] * cfg.num_generations)
-    if cfg.dynamic_sampling_factor > 1:  # the share of generated groups whose rewards vary, and the extra cost
+    if cfg.dynamic_sampling_factor > 1:  # the informative share of generated groups; the extra cost
         m.update({"dynamic_sampling/informative_fraction": t["varied_groups"] / t["generated_groups"],
                   "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
-    if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
+    # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
+    if peak := peak_flops(env):
         trained = t["prompt_tokens"] + t["len"]  # over the train phases
         m["mfu"] = 6 * n_params * trained / env.world / (ledger["fwd_bwd"] + ledger["optimizer"]) / peak
-    if env.device.type == "cuda":  # the trainer's peak (+ the engine's pool); trainer + engine, seen by the driver
+    # the trainer's peak (+ the engine's pool); trainer + engine, as the driver sees them
+    if env.device.type == "cuda":
         m.update({f"memory/{k}_gib": memory.get(k, 0.0) for k in ("peak_allocated", "device_used")})
     return m
 
 
 def json_line(record: dict) -> str:
-    """Strict JSON: a non-finite float (the grad norm of a skipped step) is written as null, never a bare NaN."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
-                      allow_nan=False)
+    """Strict JSON: a non-finite float (a skipped step's grad norm) becomes null, never a bare NaN."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False)
 
 
 def make_tracker(cfg: Config) -> SimpleNamespace:
-    """--report_to: the metrics.jsonl records (same keys) and --log_completions rows, to TensorBoard or W&B."""
+    """--report_to: the metrics.jsonl records (same keys) and the --log_completions entries, to
+    TensorBoard or W&B: log(record), table(step, entries), close()."""
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
 
         tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
-        return SimpleNamespace(close=tb.close, log=lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items()],
-                               table=lambda step, rows: tb.add_text("completions", "\n\n".join(map(json.dumps, rows)),
-                                                                    step))
+
+        def log_tb(record):
+            for key, value in record.items():
+                tb.add_scalar(key, value, record["step"])
+
+        def table_tb(step, entries):
+            tb.add_text("completions", "\n\n".join(map(json.dumps, entries)), step)
+        return SimpleNamespace(close=tb.close, log=log_tb, table=table_tb)
     if cfg.report_to == "wandb":
         import wandb
 
         run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
-        return SimpleNamespace(close=run.finish, log=lambda m: run.log(m, step=m["step"]), table=lambda step, rows:
-                               run.log({"completions": wandb.Table(columns=list(rows[0]),
-                                                                   data=[list(r.values()) for r in rows])}, step=step))
-    return SimpleNamespace(close=lambda: None, log=lambda m: None, table=lambda step, rows: None)
+
+        def table_wandb(step, entries):
+            rows = [list(entry.values()) for entry in entries]
+            run.log({"completions": wandb.Table(columns=list(entries[0]), data=rows)}, step=step)
+        return SimpleNamespace(close=run.finish, log=lambda record: run.log(record, step=record["step"]),
+                               table=table_wandb)
+    return SimpleNamespace(close=lambda: None, log=lambda record: None, table=lambda step, entries: None)
 
 
 def log_completions(cfg, step, gen_batch, reward_funcs, tracker):
-    """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the tracker's table."""
-    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": gen_batch.advantages[i].item(),
-             **{fn.__name__: gen_batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
-            for i, (prompt, text) in enumerate(gen_batch.texts[:cfg.num_completions_to_print or None])]
-    open(os.path.join(cfg.output_dir, "completions.jsonl"), "a").writelines(json.dumps(row) + "\n" for row in rows)
-    tracker.table(step, rows)
+    """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the
+    tracker's table; each entry: the prompt, the completion, its advantage and each reward."""
+    entries = []
+    for i, (prompt, text) in enumerate(gen_batch.texts[:cfg.num_completions_to_print or None]):
+        entry = {"step": step, "prompt": str(prompt), "completion": text,
+                 "advantage": gen_batch.advantages[i].item()}
+        for j, fn in enumerate(reward_funcs):
+            entry[fn.__name__] = gen_batch.stats["rewards_per_func"][i, j].item()
+        entries.append(entry)
+    with open(os.path.join(cfg.output_dir, "completions.jsonl"), "a") as f:
+        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+    tracker.table(step, entries)
 
 
 def log_line(step, max_steps, m) -> str:
-    """trunc: completion_clipped_ratio, clip: clip_ratio/region, vllm_gap: logprob_gap, probe_gap: parity_gap."""
+    """trunc: completion_clipped_ratio, clip: clip_ratio/region, vllm_gap: logprob_gap, probe_gap:
+    parity_gap."""
     rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
                         if k.startswith("rewards/"))
     parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
@@ -1894,177 +1981,251 @@ def log_line(step, max_steps, m) -> str:
     parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"),
                                                        ("parity_gap", "probe_gap")) if key in m]
     ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
-    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
+    parts += [ledger, f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
     return " | ".join(parts + ([f"mfu {100 * m['mfu']:.0f}%"] if m.get("mfu") else []))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The run: set up data, engine and policy, then the loop of steps: generate -> score -> advantages -> train -> push
-# -> log, each under a phase banner. main() below: check the inputs, start the process group, run, tear down.
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
+# The run: data, engine and trainer, then the loop of steps: generate -> score -> advantages -> train
+# -> push -> log, each under a phase banner. main() below: check the inputs, start the process
+# group, run, tear down.
+# ----------------------------------------------------------------------------------------------------
 
-def run(cfg: Config, env, model_config, data):
-    from tqdm import tqdm
-
-    state = read_checkpoint_state(cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
-    start_step, data_position = (state["step"], state["data_position"]) if state else (0, 0)  # prompts drawn, all ranks
-
-    # ---- data (loaded and checked in main, before the process group) ----
-    tokenizer, train_rows, eval_rows = data
-    probe_ids = parity_probe(tokenizer, eval_rows[0], cfg.max_prompt_length + cfg.max_completion_length)
-    reward_funcs, reward_weights = load_reward_funcs(cfg)
-
-    # ---- the engine first (it sizes its memory against an empty GPU), then asleep while the trainer loads ----
-    G = cfg.num_generations
-    prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
-    prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # generated for: dynamic sampling
-    engine, ledger = ColocatedEngine(cfg, env, model_config, probe_ids), {}
-    engine.rest(ledger)
-
-    # ---- the policy, the reference, the optimizer ----
-    torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
-    load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
-    lm = load_lm(cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model, load_to, env.attention,
-                 cfg.trust_remote_code)
-    lm = add_lora(lm, cfg) if cfg.use_peft else lm  # LoRA: the frozen base stays fp32 as full training's masters
-    # (autocast computes in bf16 either way; a bf16 base rounds the residual stream: a 1.5x trainer/vLLM gap at 1.5B)
-    n_params, flop_params = sum(p.numel() for p in lm.parameters()), matmul_params(lm)
+def build_trainer(cfg: Config, env, state):
+    """The policy, the frozen reference (--beta > 0), AdamW and its schedule, resumed from `state`
+    (a checkpoint's trainer_state; None: a fresh run). Returns cfg with memory_plan's sizes filled in,
+    and a namespace of the five."""
+    torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
+    load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU one layer at a time
+    weights = cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model
+    lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
+    # LoRA: the frozen base stays fp32, as full training's masters (a bf16 base rounds the residual
+    # stream: a 1.5x wider trainer/vLLM gap at 1.5B, BENCHMARKS.md section 9)
+    if cfg.use_peft:
+        lm = add_lora(lm, cfg)
     reference = None
-    if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, fp32 as the policy: the same logps at step 0
-        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).requires_grad_(False)
-        reference = wrap_policy(ref_lm, env, cfg, trainable=False)
-    budget, checkpointing, env.sleep = memory_plan(cfg, lm, env)  # printed below
-    cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
+    if cfg.beta > 0 and not cfg.use_peft:  # the initial policy, fp32 too: equal logps at step 0
+        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code)
+        reference = wrap_policy(ref_lm.requires_grad_(False), env, cfg, trainable=False)
+    budget, checkpointing, env.sleep = memory_plan(cfg, lm, env)
+    cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget,
+                              gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
-    reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
-                                  lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    if cfg.beta > 0 and cfg.use_peft:  # LoRA's reference: the base, the policy without adapters
+        reference = unwrap(policy)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
+    return cfg, SimpleNamespace(lm=lm, policy=policy, reference=reference, optimizer=optimizer,
+                                scheduler=scheduler)
 
-    trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + " + CPU offload" * \
-        cfg.fsdp_cpu_offload + " + activation checkpointing" * checkpointing + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
-    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
-           f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
-           f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "
-           f"{prompts_per_rank * G} completions, in packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens "
-           f"({env.attention}) | global batch {prompts_per_rank * G * env.world} completions "
-           f"({prompts_per_rank * env.world} prompts)\nengine: max_model_len "
-           f"{cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs {min(prompts_drawn * G * env.tp, 512)}, "
-           f"sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
-           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if engine.canary else 'probe'}"
-           f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
-    metrics_path, tracker = os.path.join(cfg.output_dir, "metrics.jsonl"), make_tracker(cfg) if env.is_main else None
+def print_setup(cfg, env, engine, lm, data, start_step):
+    """The derived sizes, printed once at start (memory_plan's auto ones included)."""
+    G = cfg.num_generations
+    completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per rank
+    drawn = math.ceil(completions // G * cfg.dynamic_sampling_factor)  # prompts generated for
+    trainer = ["FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process"]
+    extras = {"CPU offload": cfg.fsdp_cpu_offload,
+              "activation checkpointing": cfg.gradient_checkpointing == "true",
+              f"LoRA r {cfg.lora_r}": cfg.use_peft}
+    trainer += [name for name, on in extras.items() if on]
+    sleep = f"level {cfg.vllm_sleep_level}" if env.sleep else "off"
+    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer "
+           f"{' + '.join(trainer)} | device {env.device.type} | dtype "
+           f"{str(env.dtype).removeprefix('torch.')} | policy "
+           f"{sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M params\n"
+           f"per process and step: {completions // G} prompts (of {drawn} generated) x G {G} = "
+           f"{completions} completions, in packed micro-batches of <= "
+           f"{cfg.max_tokens_per_microbatch} tokens ({env.attention}) | global batch "
+           f"{completions * env.world} completions ({completions // G * env.world} prompts)\n"
+           f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, "
+           f"max_num_seqs {min(drawn * G * env.tp, 512)}, sleep {sleep}{' (auto)' * engine.auto_sleep}, "
+           f"push via {env.push}, canary {'sampled' if engine.canary else 'probe'} | "
+           f"{len(data[1])} train / {len(data[2])} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
-    def write_metrics(record):
-        if env.is_main:
-            with open(metrics_path, "a") as f:
-                f.write(json_line(record) + "\n")
-            tracker.log(record)  # the same keys
 
-    engine.ready(policy, start_step, ledger)  # the first push, checked on the probe
-    print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
+def run(cfg: Config, env, model_config, data):
+    from tqdm import tqdm
+
+    state = None
+    if cfg.resume_from_checkpoint:
+        state = read_checkpoint_state(cfg.resume_from_checkpoint)
+    start_step = state["step"] if state else 0
+    data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
+
+    # ---- data (loaded and checked in main, before the process group) ----
+    tokenizer, train_rows, eval_rows = data
+    max_len = cfg.max_prompt_length + cfg.max_completion_length
+    probe_ids = parity_probe(tokenizer, eval_rows[0], max_len)
+    reward_funcs, reward_weights = load_reward_funcs(cfg)
+    G = cfg.num_generations
+    prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
+    prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # dynamic sampling
+
+    # ---- the engine first (it sizes its memory on an empty GPU), asleep while the trainer loads ----
+    engine = ColocatedEngine(cfg, env, model_config, probe_ids)
+    engine.rest({})
+    cfg, t = build_trainer(cfg, env, state)
+    print_setup(cfg, env, engine, t.lm, data, start_step)
+    flop_params = matmul_params(t.lm)
+    log = make_logger(cfg, env)
+    setup_time = {}
+    engine.ready(t.policy, start_step, setup_time)  # the first push, checked on the probe
+    print0(f"engine ready: first push and parity check took {sum(setup_time.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
-        base = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
-        print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
-        write_metrics({"step": 0, **base})
+        log.write({"step": 0, **evaluate_now(engine, t, cfg, env, data, reward_funcs, 0, False)})
 
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (env.is_main and sys.stderr.isatty()), desc="grpo")
-    gen_batch, skipped_in_a_row, skipped_total = None, 0, 0
-    iteration = cfg.num_iterations  # optimizer steps taken on gen_batch: none yet, so generate first
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="grpo",
+               disable=not (env.is_main and sys.stderr.isatty()))
+    gen_batch = None  # the current rollout, trained on num_iterations times
+    steps_on_gen_batch = 0
+    skipped_in_a_row = 0
+    skipped_total = 0
     for step in range(start_step + 1, cfg.max_steps + 1):
-        ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
+        ledger = {}  # phase -> seconds, this step
+        memory = {}  # GPU memory samples, this step
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
-        synchronize(env)
+        cuda_sync(env)
         step_start = time.perf_counter()
-        if iteration == cfg.num_iterations:  # (a resumed run starts here too, even mid-way through a cycle)
-            # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
+        # a resumed run generates first, even if it was saved mid-way through a num_iterations cycle
+        if gen_batch is None or steps_on_gen_batch == cfg.num_iterations:
+            # ======== generate + score + advantages ========
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
+                                            cfg.seed)
             if gen_batch is None:
                 check_distinct_shards(positions, env)
-            data_position += env.world * len(rows)  # the prompts all ranks drew for this generation
-            iteration = 0
-            engine.ready(policy, step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
-            gen_batch = rollout(engine.llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
-            sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer's state
+            data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
+            steps_on_gen_batch = 0
+            engine.ready(t.policy, step, ledger)  # a no-op unless it sleeps (after a skipped step)
+            gen_batch = rollout(engine.llm, cfg, env, tokenizer, rows, positions, reward_funcs,
+                                reward_weights, ledger)
+            sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.rest(ledger)  # the trainer gets the GPU
-            # ======== no-grad logprobs: the reference's (beta > 0), old ones (num_iterations > 1: see train_step) ====
+            # ======== no-grad logprobs: the reference's, the old ones (num_iterations > 1) ========
             with timed(ledger, "logprobs", env):
-                if cfg.num_iterations > 1:
-                    gen_batch.old_logps = no_grad_logps(unwrap(policy), gen_batch, cfg, env)
-                if reference is not None:  # LoRA: the reference is the base, i.e. the policy with its adapters off
-                    with unwrap(policy).lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        gen_batch.ref_logps = no_grad_logps(reference, gen_batch, cfg, env)
+                add_no_grad_logps(gen_batch, t, cfg, env)
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        lr = t.optimizer.param_groups[0]["lr"]  # the rate this step uses
         canary_step = step if engine.canary else None
-        train_stats = train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step)
-        sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
-        if train_stats["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
-            skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
-            print0(f"step {step}: non-finite loss or gradient (grad norm {train_stats['grad_norm']}), skipped")
-            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
-                                   "gradient; lower --learning_rate, check the reward functions for NaN/inf, or "
-                                   f"resume from the last checkpoint in {cfg.output_dir}")
+        train_stats = train_step(t.policy, t.optimizer, t.scheduler, gen_batch, cfg, env, ledger,
+                                 canary_step)
+        sample_memory(env, memory)  # the trainer's peak is freed; max_memory_allocated has it
+        steps_on_gen_batch += 1
+        if train_stats["skipped"]:  # a non-finite loss or gradient: no update, and no push
+            skipped_in_a_row += 1
+            skipped_total += 1
+            check_skipped(step, skipped_in_a_row, train_stats["grad_norm"], cfg)
         else:
-            skipped_in_a_row, engine.stale = 0, True
-        iteration += 1
+            skipped_in_a_row = 0
+            engine.stale = True
 
-        # ======== save: first, so that a failure in the push, parity check or eval below keeps it ========
-        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
+        # ======== save: first, so that a failure in the push, check or eval below keeps it ========
+        last = step == cfg.max_steps
+        if cfg.save_steps > 0 and step % cfg.save_steps == 0 or last and cfg.save_steps >= 0:
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position)
+                path = save_checkpoint(cfg, env, step, t.policy, t.optimizer, t.scheduler,
+                                       tokenizer, data_position)
             print0(f"saved {path}")
 
         # ======== push: the new weights go to the engine before it generates again ========
-        if engine.stale and (iteration == cfg.num_iterations or step == cfg.max_steps):
-            engine.ready(policy, step, ledger)
+        if engine.stale and (steps_on_gen_batch == cfg.num_iterations or last):
+            engine.ready(t.policy, step, ledger)
 
         # ======== log ========
-        synchronize(env)  # what no phase timed (batching, advantages, ...): the ledger sums to the step's wall time
+        cuda_sync(env)  # what no phase timed (batching, advantages...): the ledger sums to the step
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
-        m = None
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            m = {"step": step, "lr": lr, "skipped_steps": skipped_total, **reduce_metrics(
-                cfg, env, gen_batch, train_stats, ledger, memory, flop_params, engine.info, reward_funcs)}
+        record = {"step": step}
+        if step % cfg.logging_steps == 0 or last:
+            record.update(lr=lr, skipped_steps=skipped_total)
+            record.update(reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory,
+                                         flop_params, engine.info, reward_funcs))
             if env.is_main:
-                bar.write(log_line(step, cfg.max_steps, m))
-        if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
-            eval_time = {}
-            with timed(eval_time, "eval", env):
-                engine.ready(policy, step, eval_time)  # awake already, unless mid-way through num_iterations
-                ev = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
-                if iteration < cfg.num_iterations:  # mid-way through a generation batch: the trainer needs the GPU
-                    engine.rest(eval_time)
-            print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-            m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
-        if m is not None:
-            write_metrics(m)
+                bar.write(log_line(step, cfg.max_steps, record))
+        if cfg.eval_steps and (step % cfg.eval_steps == 0 or last):
+            mid_cycle = steps_on_gen_batch < cfg.num_iterations
+            record.update(evaluate_now(engine, t, cfg, env, data, reward_funcs, step, mid_cycle))
+        if len(record) > 1:
+            log.write(record)
             if cfg.log_completions and env.is_main:
-                log_completions(cfg, step, gen_batch, reward_funcs, tracker)
+                log_completions(cfg, step, gen_batch, reward_funcs, log.tracker)
         bar.update(1)
     bar.close()
-    if env.is_main:
-        tracker.close()
-        plot_curves(cfg.output_dir)
+    log.close()
     return engine.llm
 
 
+def add_no_grad_logps(gen_batch, t, cfg, env):
+    """The no-grad passes over a new generation batch: the policy's own logprobs, frozen as the old
+    ones of num_iterations > 1 (see train_step), and the reference's (beta > 0; LoRA: the policy
+    with its adapters off)."""
+    if cfg.num_iterations > 1:
+        gen_batch.old_logps = no_grad_logps(unwrap(t.policy), gen_batch, cfg, env)
+    if t.reference is not None:
+        adapters_off = unwrap(t.policy).lm.disable_adapter() if cfg.use_peft else nullcontext()
+        with adapters_off:
+            gen_batch.ref_logps = no_grad_logps(t.reference, gen_batch, cfg, env)
+
+
+def check_skipped(step, in_a_row, grad_norm, cfg):
+    """Say that a step was skipped; stop the run after MAX_SKIPPED_IN_A_ROW in a row."""
+    print0(f"step {step}: non-finite loss or gradient (grad norm {grad_norm}), skipped")
+    if in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        raise RuntimeError(f"step {step}: {in_a_row} steps in a row had a non-finite loss or "
+                           "gradient; lower --learning_rate, check the reward functions for "
+                           f"NaN/inf, or resume from the last checkpoint in {cfg.output_dir}")
+
+
+def evaluate_now(engine, t, cfg, env, data, reward_funcs, step, mid_cycle) -> dict:
+    """The greedy eval with the engine as the trainer left it: pushed first if stale; asleep again
+    after it if the trainer needs the GPU mid-way through a num_iterations cycle. Its metrics."""
+    tokenizer, train_rows, eval_rows = data
+    eval_time = {}
+    with timed(eval_time, "eval", env):
+        engine.ready(t.policy, step, eval_time)
+        scores = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+        if mid_cycle:
+            engine.rest(eval_time)
+    which = "eval at step 0 (base model)" if step == 0 else f"eval at step {step}"
+    print0(f"{which}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    if step == 0:
+        return scores
+    return {**scores, "time/eval": eval_time["eval"]}
+
+
+def make_logger(cfg, env) -> SimpleNamespace:
+    """write(record): a line of <output_dir>/metrics.jsonl and the tracker (rank 0 only); close():
+    the tracker, then curves.png."""
+    tracker = make_tracker(cfg) if env.is_main else None
+    path = os.path.join(cfg.output_dir, "metrics.jsonl")
+
+    def write(record):
+        if env.is_main:
+            with open(path, "a") as f:
+                f.write(json_line(record) + "\n")
+            tracker.log(record)
+
+    def close():
+        if env.is_main:
+            tracker.close()
+            plot_curves(cfg.output_dir)
+    return SimpleNamespace(write=write, close=close, tracker=tracker)
+
+
 def check_inputs(argv=None):
-    """Bad input: one message, before any process group, model or engine exists (run.sh runs this alone first)."""
+    """Bad input: one message, before any model or engine exists (run.sh runs this alone first)."""
     cfg = None  # -> (cfg, (model config, data), None); torchrun's ranks: (cfg or None, None, error)
     try:
         cfg = parse_args(argv)
         for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS") * (not cfg.verbose):
-            os.environ.setdefault(key, "1")  # no loading/saving bars (transformers, datasets), read at their import
+            os.environ.setdefault(key, "1")  # no loading bars; read at transformers' import
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
         return cfg, (model_config, prepare_data(cfg)), None
@@ -2080,8 +2241,9 @@ def main(argv=None):
     env = setup_distributed(cfg, error)  # a bad input on any rank stops every rank here
     try:
         llm = run(cfg, env, *inputs)
-    except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
-        # other ranks down (within seconds) instead of leaving them waiting in a collective
+    # any failure: report it and leave NOW, so that torchrun ends the other ranks (within seconds)
+    # instead of leaving them waiting in a collective
+    except BaseException as e:  # noqa: BLE001
         if not isinstance(e, ConfigError):
             print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         elif env.is_main:  # data errors are the same on every rank: say it once
@@ -2106,7 +2268,8 @@ def plot_curves(output_dir: str):
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), "o-" if "/" in key else "-", label=key)
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot(*zip(*points), "o-" if "/" in key else "-", label=key)
     ax.set(xlabel="step", title=f"{output_dir}: training reward and held-out scores")
     ax.grid(alpha=0.3)
     ax.legend()

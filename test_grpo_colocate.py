@@ -1971,7 +1971,7 @@ REQUIRED_KEYS = [
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
     "grad_norm", "logprob_gap", "is_weight/mean", "canary_gap", "time/generate", "time/reward", "time/logprobs",
-    "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "tokens_per_sec_per_gpu",
+    "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "completion_tokens_per_sec_per_gpu",
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
 LEARNS = ["--reward_funcs", "accuracy_reward", "format_reward", "reward_len", "--reward_weights", "1", "1", "0.01"]
@@ -2678,7 +2678,7 @@ def test_world8_cpu(world8, tp):
     assert close(m["advantage_std"], advantages.pow(2).mean().sqrt(), 1e-5, 1e-9)
     assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean(), 1e-6, 1e-9)
     assert m["completion_length/min"] == m["completion_length/max"] == 8 and m["completion_clipped_ratio"] == 1
-    assert close(m["tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
+    assert close(m["completion_tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
     assert m["canary_gap"] < 1e-4 and m["logprob_gap"] < 1e-3
     # the eval: 3 rows over 8 ranks, each scored once, the mean over the 3 (at step 0 and after step 1)
     evals = {r: [c for c in run.rewards[r] if len(c["row"]) == 1] for r in range(8)}
