@@ -2328,8 +2328,10 @@ def test_e2e_tools_on_two_ranks_then_a_resume_reproduces_the_next_step(tmp_path)
     for key in want:
         if key.startswith(("completion_", "tools/", "reward")):  # the same samples, turns, rewards
             assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
-        elif key in ("loss", "grad_norm", "entropy", "logprob_gap", "is_weight/mean"):
+        elif key in ("loss", "grad_norm", "entropy", "is_weight/mean"):
             assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
+        elif key == "logprob_gap":  # fp32 on both sides: noise around 0 (about 7e-7)
+            assert close(got[key], want[key], atol=1e-6), (key, got[key], want[key])
 
 
 def test_e2e_tools_tp2(tmp_path, monkeypatch):
