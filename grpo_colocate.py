@@ -1857,44 +1857,62 @@ def sample_memory(env, memory: dict):
                                        torch.cuda.max_memory_allocated(env.device) / 2**30)
 
 
-def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, sync_info,
+def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, push_info,
                    reward_funcs) -> dict:
-    """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
+    """The step's global metrics: every rank's sums and counts in one all_reduce (and one more for
+    the min/max), then the ratios."""
     s = gen_batch.stats
     local = {
-        "reward": s["rewards"].nansum(), "reward_sq": (s["rewards"] ** 2).nansum(),
+        "reward": s["rewards"].nansum(),
+        "reward_sq": (s["rewards"] ** 2).nansum(),
         "n": float(len(s["rewards"])),
-        "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(),
+        "adv_sq": (s["advantages"] ** 2).sum(),
+        "zero_std": s["zero_std"].sum(),
         "groups": float(len(s["zero_std"])),
-        "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
-        **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
-        **dict(zip(("tool_calls", "tool_failures", "turns"), s["tools"])),
-        **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
-           for j, fn in enumerate(reward_funcs)},
-        **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
+        "len": s["lengths"].sum(),
+        "truncated": s["truncated"].sum(),
     }
+    # rollout's counts (prompt tokens, generated groups and tokens, tool calls) sum as they are
+    local.update(s["counts"])
+    for j, fn in enumerate(reward_funcs):
+        local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
+    for key, value in train_stats.items():
+        if key not in ("grad_norm", "skipped", "canary_gap"):
+            local[key] = value
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
     t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    n, tokens, ctoks = t["n"], max(t["tokens"], 1.0), max(t["completion_tokens"], 1.0)
+
+    n = t["n"]  # completions
+    tokens = max(t["tokens"], 1.0)  # loss tokens
+    completion_tokens = max(t["completion_tokens"], 1.0)
     mean = t["reward"] / n
-    m = {
-        "reward": mean, "reward_std": math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1)),
-        **{k: t[k] / n for k in t if k.startswith("rewards/")},
-        "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
-        "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
-        "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
-        "loss": t["loss"] / env.world,  # each rank logged loss x loss_scale (loss_normaliser)
-        "entropy": t["entropy"] / ctoks, "grad_norm": train_stats["grad_norm"],
-        **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl")
-           if k in t},
-    }
+    m = {"reward": mean}
+    # Bessel-corrected, as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1))
+    m["reward_std"] = math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1))
+    for key in t:
+        if key.startswith("rewards/"):
+            m[key] = t[key] / n
+    m["advantage_std"] = math.sqrt(t["adv_sq"] / n)
+    m["frac_reward_zero_std"] = t["zero_std"] / t["groups"]
+    m["completion_length/mean"] = t["len"] / n
+    m["completion_length/min"] = -extremes[1].item()
+    m["completion_length/max"] = extremes[0].item()
+    m["completion_clipped_ratio"] = t["truncated"] / n
+    m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
+    m["entropy"] = t["entropy"] / completion_tokens
+    m["grad_norm"] = train_stats["grad_norm"]
+    # grpo_loss's stats are token means: train_step summed them weighted by loss tokens
+    for key in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl"):
+        if key in t:
+            m[key] = t[key] / tokens
     if "logprob_gap" in t:
-        m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
-                  "is_weight/masked": t["is_masked"] / ctoks})
-    m.update(sync_info)  # the last push's metrics
+        m["logprob_gap"] = t["logprob_gap"] / completion_tokens
+        m["is_weight/mean"] = t["is_weight"] / completion_tokens
+        m["is_weight/masked"] = t["is_masked"] / completion_tokens
+    m.update(push_info)  # the last push's metrics
     if "canary_gap" in train_stats:  # a max over ranks
         m["canary_gap"] = train_stats["canary_gap"]
     step_time = sum(ledger.values())
@@ -1904,20 +1922,23 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, s
     m["completion_tokens_per_sec_per_gpu"] = t["len"] / env.world / step_time
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
-    if cfg.tools:  # TRL's call_frequency (per generated completion), failure_frequency (per call)
-        m["tools/call_frequency"] = t["tool_calls"] / (t["generated_groups"] * cfg.num_generations)
+    completions = t["generated_groups"] * cfg.num_generations
+    if cfg.tools:  # as TRL: call_frequency per generated completion, failure_frequency per call
+        m["tools/call_frequency"] = t["tool_calls"] / completions
         m["tools/failure_frequency"] = t["tool_failures"] / max(t["tool_calls"], 1)
-        m["tools/turns"] = t["turns"] / (t["generated_groups"] * cfg.num_generations)
+        m["tools/turns"] = t["turns"] / completions
     if cfg.dynamic_sampling_factor > 1:  # the informative share of generated groups; the extra cost
-        m.update({"dynamic_sampling/informative_fraction": t["varied_groups"] / t["generated_groups"],
-                  "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
+        m["dynamic_sampling/informative_fraction"] = t["varied_groups"] / t["generated_groups"]
+        m["dynamic_sampling/generated_per_trained_token"] = t["generated_tokens"] / max(t["len"], 1)
     # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
     if peak := peak_flops(env):
-        trained = t["prompt_tokens"] + t["len"]  # over the train phases
-        m["mfu"] = 6 * n_params * trained / env.world / (ledger["fwd_bwd"] + ledger["optimizer"]) / peak
+        trained = t["prompt_tokens"] + t["len"]
+        train_time = ledger["fwd_bwd"] + ledger["optimizer"]
+        m["mfu"] = 6 * n_params * trained / env.world / train_time / peak
     # the trainer's peak (+ the engine's pool); trainer + engine, as the driver sees them
     if env.device.type == "cuda":
-        m.update({f"memory/{k}_gib": memory.get(k, 0.0) for k in ("peak_allocated", "device_used")})
+        m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)
+        m["memory/device_used_gib"] = memory.get("device_used", 0.0)
     return m
 
 
@@ -1971,18 +1992,31 @@ def log_completions(cfg, step, gen_batch, reward_funcs, tracker):
 
 
 def log_line(step, max_steps, m) -> str:
-    """trunc: completion_clipped_ratio, clip: clip_ratio/region, vllm_gap: logprob_gap, probe_gap:
-    parity_gap."""
-    rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
-                        if k.startswith("rewards/"))
-    parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
-             f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
-             f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}", f"ent {m['entropy']:.2f}"]
-    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"),
-                                                       ("parity_gap", "probe_gap")) if key in m]
-    ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
-    parts += [ledger, f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
-    return " | ".join(parts + ([f"mfu {100 * m['mfu']:.0f}%"] if m.get("mfu") else []))
+    """The step's line on stdout. trunc: completion_clipped_ratio, clip: clip_ratio/region,
+    vllm_gap: logprob_gap, probe_gap: parity_gap."""
+    rewards = []
+    for key, value in m.items():
+        if key.startswith("rewards/"):
+            rewards.append(f"{key.removeprefix('rewards/').removesuffix('_reward')} {value:.2f}")
+    parts = [
+        f"step {step}/{max_steps}",
+        f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({', '.join(rewards)})",
+        f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
+        f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}",
+        f"ent {m['entropy']:.2f}",
+    ]
+    for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"), ("parity_gap", "probe_gap")):
+        if key in m:
+            parts.append(f"{name} {m[key]:.4f}")
+    times = []
+    for key, value in m.items():
+        if key.startswith("time/") and key != "time/step":
+            times.append(f"{key.removeprefix('time/')} {value:.2f}s")
+    parts.append(" ".join(times))
+    parts.append(f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU")
+    if m.get("mfu"):
+        parts.append(f"mfu {100 * m['mfu']:.0f}%")
+    return " | ".join(parts)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1994,7 +2028,7 @@ def log_line(step, max_steps, m) -> str:
 def build_trainer(cfg: Config, env, state):
     """The policy, the frozen reference (--beta > 0), AdamW and its schedule, resumed from `state`
     (a checkpoint's trainer_state; None: a fresh run). Returns cfg with memory_plan's sizes filled in,
-    and a namespace of the five."""
+    and the namespace lm, policy, reference, optimizer, scheduler, flop_params (matmul_params)."""
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU one layer at a time
     weights = cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model
@@ -2020,15 +2054,15 @@ def build_trainer(cfg: Config, env, state):
     if state is not None:
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
-    return cfg, SimpleNamespace(lm=lm, policy=policy, reference=reference, optimizer=optimizer,
-                                scheduler=scheduler)
+    trainer = SimpleNamespace(lm=lm, policy=policy, reference=reference, optimizer=optimizer,
+                              scheduler=scheduler, flop_params=matmul_params(lm))
+    return cfg, trainer
 
 
-def print_setup(cfg, env, engine, lm, data, start_step):
+def print_setup(cfg, env, engine, lm, data, start_step, drawn):
     """The derived sizes, printed once at start (memory_plan's auto ones included)."""
     G = cfg.num_generations
     completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per rank
-    drawn = math.ceil(completions // G * cfg.dynamic_sampling_factor)  # prompts generated for
     trainer = ["FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process"]
     extras = {"CPU offload": cfg.fsdp_cpu_offload,
               "activation checkpointing": cfg.gradient_checkpointing == "true",
@@ -2063,16 +2097,15 @@ def run(cfg: Config, env, model_config, data):
     max_len = cfg.max_prompt_length + cfg.max_completion_length
     probe_ids = parity_probe(tokenizer, eval_rows[0], max_len)
     reward_funcs, reward_weights = load_reward_funcs(cfg)
-    G = cfg.num_generations
-    prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
-    prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # dynamic sampling
+    completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per rank
+    # prompts this rank draws per rollout (more than it trains on with dynamic sampling)
+    prompts_drawn = math.ceil(completions // cfg.num_generations * cfg.dynamic_sampling_factor)
 
     # ---- the engine first (it sizes its memory on an empty GPU), asleep while the trainer loads ----
     engine = ColocatedEngine(cfg, env, model_config, probe_ids)
     engine.rest({})
     cfg, t = build_trainer(cfg, env, state)
-    print_setup(cfg, env, engine, t.lm, data, start_step)
-    flop_params = matmul_params(t.lm)
+    print_setup(cfg, env, engine, t.lm, data, start_step, prompts_drawn)
     log = make_logger(cfg, env)
     setup_time = {}
     engine.ready(t.policy, start_step, setup_time)  # the first push, checked on the probe
@@ -2146,7 +2179,7 @@ def run(cfg: Config, env, model_config, data):
         if step % cfg.logging_steps == 0 or last:
             record.update(lr=lr, skipped_steps=skipped_total)
             record.update(reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory,
-                                         flop_params, engine.info, reward_funcs))
+                                         t.flop_params, engine.info, reward_funcs))
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, record))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or last):
