@@ -731,11 +731,9 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        # CPU runs are one host: vLLM's gloo stays on loopback. The cores are shared among this host's
-        # processes before vLLM pins its threads (after that, set_num_threads is a no-op).
-        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: vLLM's gloo on loopback
+        # share the cores among this host's processes, before vLLM pins its threads
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     # any collective, barriers included, may wait this long (the other ranks, while rank 0 saves)
     timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
     backend = "nccl" if cuda else "gloo"
@@ -748,24 +746,22 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
     tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
-    engine_bytes = 0
-    if cuda:
-        engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30)
+    gpu_bytes = torch.cuda.mem_get_info(device)[1] if cuda else 0
+    engine_bytes = int(cfg.vllm_gpu_memory_utilization * gpu_bytes) + (2 << 30) if cuda else 0
     # The platform's choices, in one place (memory_plan may still turn sleep off, at start).
     return SimpleNamespace(
-        rank=rank, world=world, local_rank=local_rank, device=device, is_main=rank == 0,
+        rank=rank, world=world, local_rank=local_rank, is_main=rank == 0, device=device,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
         engine_bytes=engine_bytes,
         sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
         push_in_place=cuda,  # else reload_weights: the CPU backend re-packs the weights it loads
-        attention="varlen" if cuda else "sdpa",  # packed: torch's varlen kernel, or sdpa + a block mask
+        attention="varlen" if cuda else "sdpa",  # torch's varlen kernel, or sdpa + a block mask
     )
 
 
 def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: int):
-    """A path local to a node (--dataset, --model, --output_dir) can fail the checks on some ranks only:
-    all stop here alike. Every rank writes checkpoint shards into --output_dir, so it must be one
-    directory: rank 0 makes a new file there, and each rank looks for it."""
+    """A path local to a node can fail the checks on some ranks only: all stop here alike. Every
+    rank writes shards into --output_dir: rank 0 makes a file there, and all must see it."""
     marker = [""]
     if rank == 0 and not error:
         marker = [f".shared-{os.urandom(8).hex()}"]
@@ -787,7 +783,6 @@ def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: in
 
 
 def print0(*args):
-    """Print on rank 0 only (RANK: from torchrun, or setup_distributed for a plain `python` run)."""
     if os.environ.get("RANK", "0") == "0":
         print(*args, flush=True)
 
@@ -799,7 +794,7 @@ def cuda_sync(env):
 
 @contextmanager
 def timed(ledger: dict, phase: str, env):
-    """Add the block's wall time to ledger[phase] (seconds; the GPU is synchronised at both ends)."""
+    """Add the block's wall time to ledger[phase] (seconds; GPU synchronised at both ends)."""
     cuda_sync(env)
     start = time.perf_counter()
     yield
@@ -812,20 +807,20 @@ def timed(ledger: dict, phase: str, env):
 # --------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """'What is 37 + 58?', answer '95': a, b in [0, 99], + or -, 20,000 problems in an order set by the seed.
-    Held out iff a hash of the text is 0 mod 10: train and eval never share one, whatever the seed."""
+    """'What is 37 + 58?', answer '95': a, b in [0, 99], + or -, 20,000 problems in a seeded order.
+    Held out iff a hash of the text is 0 mod 10: whatever the seed, train and eval share none."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
     splits = {"train": [], "eval": []}
     for a, op, b in problems:
         split = "eval" if hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0 else "train"
-        splits[split].append({"prompt": f"What is {a} {op} {b}? Give the final answer as '#### <number>'.",
-                              "answer": str(a + b if op == "+" else a - b)})
+        question = f"What is {a} {op} {b}? Give the final answer as '#### <number>'."
+        splits[split].append({"prompt": question, "answer": str(a + b if op == "+" else a - b)})
     return splits["train"], splits["eval"][:num_eval]
 
 
 def load_rows(cfg: Config):
-    """(train, eval) lists of dict rows with 'prompt', 'answer' and any other columns of the dataset."""
+    """(train, eval) lists of dict rows: 'prompt', 'answer' and the dataset's other columns."""
     if cfg.dataset == "arithmetic":
         return arithmetic_task(cfg.seed, cfg.num_eval)
     from datasets import load_dataset  # datasets >= 4 runs no loading scripts: data is never code
@@ -859,14 +854,14 @@ def load_rows(cfg: Config):
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
         if len(train) < 2:
-            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held out for eval")
-        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset trains on ~90% of its rows
+            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held "
+                              "out for eval")
+        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset trains on ~90%
         if held < cfg.num_eval:
-            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: "
-                   "<= a tenth)")
+            print0(f"holding out {held} of {len(train)} rows for eval "
+                   f"(not --num_eval {cfg.num_eval}: <= a tenth)")
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
-        train = parts["train"]
-        eval_ = parts["test"]
+        train, eval_ = parts["train"], parts["test"]
     for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
         if column not in train.column_names:
             raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; "
@@ -885,8 +880,7 @@ def load_tokenizer(path, trust_remote_code=False):
 
 
 def check_distinct_shards(positions, env):
-    """Once, at the first rollout: no two ranks take the same position of the data stream (the prompts
-    themselves may repeat, as in a one-prompt task)."""
+    """No two ranks take the same data position (the prompts themselves may repeat)."""
     everyone = [None] * env.world
     dist.all_gather_object(everyone, list(positions))
     taken = [i for rank_positions in everyone for i in rank_positions]
@@ -952,9 +946,8 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows): this rank's prompts at global `position` of the data stream (epochs of shuffled
-    rows, each order a pure function of (seed, epoch)). Rank r takes [position + r per_rank, position +
-    (r + 1) per_rank): one contiguous slice whatever the world size, so a resume needs only the position."""
+    """(positions, rows): this rank's prompts at global `position` of the stream (epochs of rows,
+    each in an order set by (seed, epoch)). Ranks take consecutive slices, whatever their number."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     step_rows = []
     for i in positions:
@@ -969,10 +962,9 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 
 @contextmanager
 def quiet_engine_start(cuda: bool):
-    """Hide what every run prints and needs no action on: the warnings below (for good) and, on CUDA,
-    vLLM's CUDA-graph capture bars, which ignore use_tqdm_on_load (stderr is held, then written less them)."""
-    # The CPU push skips RotaryEmbedding and a tied lm_head (push_weights re-packs it); LLM(seed=) reseeds
-    # the process; the CPU engine is eager, without triton; the GPU's logprob kernel compiles at first use.
+    """Hide what every run prints and needs no action on: the warnings below (for good) and, on
+    CUDA, vLLM's CUDA-graph capture bars, drawn whatever use_tqdm_on_load says (stderr is held)."""
+    # e.g. the CPU push has no tensor for RotaryEmbedding nor a tied lm_head (push_weights re-packs)
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
                 "torch.set_num_threads", "JIT compilation during inference",
@@ -989,20 +981,19 @@ def quiet_engine_start(cuda: bool):
 
 
 def make_engine(cfg: Config, env, model_config):
-    """vllm.LLM inside this process: external_launcher joins our torch.distributed world instead of
-    spawning workers. Its seed does not make a TP group sample alike (per-request seeds do: generate)."""
+    """vllm.LLM inside this process: external_launcher joins our torch.distributed world instead
+    of spawning workers. Per-request seeds, not this engine seed, make a TP group sample alike."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # yours wins
     from vllm import LLM
 
-    # (at most) the completions of one rollout
-    completions_per_call = (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
-                            * math.ceil(cfg.dynamic_sampling_factor))
+    prompts_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
+    completions_per_call = prompts_per_call * math.ceil(cfg.dynamic_sampling_factor)  # at most
     kwargs = dict(
         model=cfg.model, dtype=env.dtype, seed=derive_seed(cfg.seed, "engine", env.engine_index),
         tensor_parallel_size=env.tp, distributed_executor_backend="external_launcher",
         max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
         max_num_seqs=min(completions_per_call, 512),  # one rollout at once; CUDA graphs stop at 512
-        logprobs_mode="processed_logprobs",  # after temperature/top-p: the distribution we sample from
+        logprobs_mode="processed_logprobs",  # after temperature/top-p: what we sample from
         enable_prefix_caching=True,  # the G samples of a prompt share its KV blocks
         trust_remote_code=cfg.trust_remote_code, load_format="safetensors", use_tqdm_on_load=cfg.verbose,
     )
@@ -1042,20 +1033,19 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
 
     if greedy:
         return SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length, detokenize=False)
-    return SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p,
-                          top_k=cfg.top_k, max_tokens=cfg.max_completion_length,
-                          ignore_eos=cfg.ignore_eos, detokenize=False,
+    return SamplingParams(n=cfg.num_generations, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_tokens=cfg.max_completion_length, ignore_eos=cfg.ignore_eos, detokenize=False,
                           # sampled-token logprobs cost about a third of generate time: only when used
                           logprobs=0 if logprobs else None, flat_logprobs=True)
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out. max_tokens: one per prompt (a tool turn's room).
-    seeds: one per prompt. vLLM samples the n completions of prompt i from their own generators, seeded
-    seeds[i], seeds[i] + 1, ...: the tokens depend on neither the rest of the batch, nor the process's RNG
-    (the GPU sampler ignores it), nor the rank. That is also why the ranks of a TP group, which drive ONE
-    engine, sample alike: tp_generate gathers their requests, every rank submits the same list, and each
-    keeps its own slice (in request order); a fingerprint of the tokens proves that the group agrees."""
+    """Token ids in, one RequestOutput per prompt out. max_tokens: one per prompt (a tool turn's
+    room). seeds: one per prompt; vLLM samples the n completions of prompt i from generators seeded
+    seeds[i], seeds[i] + 1, ...: the tokens depend on neither the rest of the batch, the process's
+    RNG (the GPU sampler ignores it), nor the rank. That is also why the ranks of a TP group, which
+    drive ONE engine, sample alike: tp_generate gathers their requests, every rank submits the same
+    list and keeps its own slice (in request order); a fingerprint proves that the group agrees."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
@@ -1071,49 +1061,47 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast first (a bf16 gather
-    moves half the bytes of an fp32 one), then all-gathered: a collective, every rank must call it."""
+    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast first (a bf16
+    gather moves half the bytes), then all-gathered: a collective, every rank must call it."""
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
-        whole = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        return whole.full_tensor()
+        shard = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride())
+        return shard.full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
 def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """A LoRA-adapted weight as the engine runs it, W + (alpha / r) B A, as a new tensor (W stays)."""
+    """A LoRA-adapted weight as the engine runs it: W + (alpha / r) B A, a new [out, in] tensor."""
     if not name.endswith(".base_layer.weight"):
         return full_tensor(p, dtype, device)
     layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
     A, B = (full_tensor(m["default"].weight, torch.float32, device) for m in (layer.lora_A, layer.lora_B))
-    W = full_tensor(p, dtype, device).float()  # [out, in]
-    return (W + layer.scaling["default"] * (B @ A)).to(dtype)
+    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
-    """(HF name, full tensor) per parameter (LoRA: merged, no adapters), in one order on every rank, made a
-    bucket of ~bucket_bytes ahead and handed over one by one, each reference dropped as it goes: a lazy
-    consumer holds one bucket (+ one tensor) of extra memory at most, never a second copy of the model."""
+    """(HF name, full tensor) per parameter (LoRA: merged), one order on every rank. Made a bucket
+    ahead, handed over one by one and dropped: a lazy consumer holds one bucket of extra memory."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
-    i = 0
-    while i < len(params):
-        bucket = []
-        size = 0
-        while i < len(params) and size < bucket_bytes:
-            name, p = params[i]  # peft's base_model.model.<HF name>, .base_layer inside adapted modules
-            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-            bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
-            size += bucket[-1][1].nbytes
-            i += 1
-        bucket.reverse()
-        while bucket:
-            yield bucket.pop()
+    bucket = []
+    size = 0
+    for i, (name, p) in enumerate(params):
+        # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
+        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
+        size += bucket[-1][1].nbytes
+        if size >= bucket_bytes or i == len(params) - 1:
+            bucket.reverse()
+            while bucket:
+                yield bucket.pop()
+            size = 0
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """The trainer's weights into the engine, in-process (full_weights); vLLM fuses and shards them (qkv,
-    gate_up, TP slices) itself. Returns the bytes pushed."""
+    """The trainer's weights into the engine; vLLM fuses and shards them (qkv, gate_up, TP slices)
+    itself. Returns the bytes pushed."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
     if env.push_in_place:  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
@@ -1133,7 +1121,7 @@ def parity_probe(tokenizer, row, max_len: int) -> list[int]:
 
 
 def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
-    """Mean |logp_trainer - logp_vllm| over a fixed probe sequence, scored by both."""
+    """Mean |logp_trainer - logp_vllm| over the probe's tokens."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
@@ -1153,8 +1141,8 @@ def parity_tolerance(dtype) -> float:
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Stop, naming the step, unless the engine runs the trainer's weights: `gap` (the mean |logp gap| over
-    `what`), maxed over ranks so that all stop alike, within the dtype's tolerance. NaN fails too."""
+    """Stop, naming the step, unless `gap` (the mean |logp gap| over `what`), maxed over ranks so
+    that all stop alike (NaN too), is within the dtype's tolerance: the engine runs our weights."""
     gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
     gap = gap.item()
@@ -1167,14 +1155,14 @@ def check_gap(gap: float, env, step, what: str) -> float:
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm): the only code that sleeps, wakes or pushes. The loop calls rest()
-    before training, sets stale once the optimizer has stepped, and calls ready() before a generate.
-    rest(): with sleep mode (CUDA only), llm.sleep(level) frees the KV cache and the weights. Level 1
-      backs them up to CPU RAM; level 2 discards them: garbage until the next push (vLLM never reloads).
-    ready(): if asleep or stale, wake_and_push(): wake the weights -> push the trainer's (push_weights,
-      which resets the prefix cache) -> wake the KV cache -> check (check_gap) on the probe. The probe
-      runs after the first push (after a level-2 sleep, that proves every parameter name reaches vLLM);
-      later only without the canary (IS correction on: train_step checks the sampled tokens instead)."""
+    """This rank's engine (self.llm), the only code that sleeps, wakes or pushes. The loop calls
+    rest() before training, sets stale once the optimizer steps, and calls ready() to generate.
+    rest(): with sleep mode (CUDA only), llm.sleep(level) frees the KV cache and the weights:
+      level 1 backs them up to CPU RAM, level 2 discards them (garbage until the next push).
+    ready(): if asleep or stale, wake_and_push(): wake the weights -> push the trainer's (this
+      resets the prefix cache) -> wake the KV cache -> check_gap on the probe. The probe runs after
+      the first push (after a level-2 sleep, it proves every parameter name reaches vLLM), and later
+      only without the canary (IS correction on: train_step checks the sampled tokens instead)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm = make_engine(cfg, env, model_config)
