@@ -748,7 +748,7 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     gpu_bytes = torch.cuda.mem_get_info(device)[1] if cuda else 0
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * gpu_bytes) + (2 << 30) if cuda else 0
-    # The platform's choices, in one place (memory_plan may still turn sleep off, at start).
+    # What differs by platform, decided here (memory_plan may still turn sleep off, at start)
     return SimpleNamespace(
         rank=rank, world=world, local_rank=local_rank, is_main=rank == 0, device=device,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
@@ -883,7 +883,7 @@ def check_distinct_shards(positions, env):
     """No two ranks take the same data position (the prompts themselves may repeat)."""
     everyone = [None] * env.world
     dist.all_gather_object(everyone, list(positions))
-    taken = [i for rank_positions in everyone for i in rank_positions]
+    taken = sum(everyone, [])  # every rank's positions
     if len(set(taken)) < len(taken):
         raise RuntimeError("two ranks were given the same data positions: the data sharding is broken")
 
@@ -1018,7 +1018,7 @@ def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint) -> 
         return generate_fn(requests)
     gathered = [None] * tp
     dist.all_gather_object(gathered, requests, group=tp_group)
-    outputs = generate_fn([r for rank_requests in gathered for r in rank_requests])
+    outputs = generate_fn(sum(gathered, []))  # every rank's requests, in rank order
     prints = [None] * tp
     dist.all_gather_object(prints, fingerprint(outputs), group=tp_group)
     if len(set(prints)) > 1:
@@ -1054,7 +1054,8 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
                              for _, s, m in requests], use_tqdm=False)
 
     def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
-        return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
+        completions = sum((out.outputs for out in outputs), [])
+        return hash(tuple(tuple(c.token_ids) for c in completions))
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
     return tp_generate(run, requests, env.tp_group, env.tp, fingerprint)
@@ -1194,7 +1195,7 @@ class ColocatedEngine:
         cuda = env.device.type == "cuda"
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
-                # the trainer's cached blocks go back only when vLLM needs the room (~0.1 s at 1.5B)
+                # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
                 if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:
                     torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["weights"])
