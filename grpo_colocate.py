@@ -2102,7 +2102,7 @@ def print_setup(cfg, env, engine, lm, data, start_step, drawn):
            f"{completions * env.world} completions ({completions // G * env.world} prompts)\n"
            f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, "
            f"max_num_seqs {min(drawn * G * env.tp, 512)}, sleep {sleep}{' (auto)' * engine.auto_sleep}, "
-           f"push via {env.push}, canary {'sampled' if engine.canary else 'probe'} | "
+           f"push via {'load_weights' if env.push_in_place else 'reload_weights'}, canary {'sampled' if engine.canary else 'probe'} | "
            f"{len(data[1])} train / {len(data[2])} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
 
