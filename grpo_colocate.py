@@ -1289,10 +1289,8 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
-    """The policy (or the frozen reference, trainable=False) on this rank. DDP: the whole model on
-    every rank, gradients all-reduced (averaged) in backward. FSDP2 (--fsdp): 1/world of each fp32
-    parameter (and AdamW's state) per rank, each layer gathered for its forward and backward,
-    gradients reduce-scattered (averaged). Compute in env.dtype, reductions in fp32."""
+    """The policy (or the frozen reference, trainable=False) on this rank: whole under DDP; under
+    FSDP2, 1/world of each fp32 parameter, each layer gathered for its forward and backward."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
     # CUDA: compile each layer's norms and MLP, one fused kernel for their elementwise ops (17% less
     # at 1.5B, BENCHMARKS.md section 10); dynamic shapes: one compile for every micro-batch length.
@@ -1300,8 +1298,7 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
                 module.compile(dynamic=True)
-    # checkpointing: keep each layer's input, recompute the rest in backward (HF's own switch needs
-    # train(), which would turn dropout on)
+    # keep each layer's input, recompute the rest in backward (HF's switch needs train(): dropout)
     if trainable and cfg.gradient_checkpointing == "true":
         for layer in lm.get_decoder().layers:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
@@ -1390,9 +1387,8 @@ def load_tools(cfg: Config) -> dict:
 
 
 def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length):
-    """Rewards [N, F] of every reward function on every completion, decoded here (the only use of
-    text); None (not applicable) is NaN. Functions get the dataset's columns (each row G times),
-    completion_ids and max_completion_length."""
+    """Rewards [N, F] of every function on every completion, decoded here (the only use of text);
+    None (not applicable): NaN. Beside the columns: completion_ids and max_completion_length."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {}  # the dataset's columns, each row G times
     for k in rows[0]:
@@ -1417,8 +1413,7 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 
 
 def add_turn(c, sample=None) -> SimpleNamespace:
-    """sample (None: a new one) with vLLM's completion c appended as a turn: token_ids, tool_mask
-    (0: a tool result's token), the model tokens' logprobs, last_turn's tokens, finish_reason."""
+    """sample (None: a new one) with vLLM's completion c appended as a turn (tool_mask 1)."""
     sample = sample or SimpleNamespace(token_ids=[], tool_mask=[], logprobs=[])
     sample.token_ids += c.token_ids
     sample.tool_mask += [1] * len(c.token_ids)
@@ -1457,9 +1452,8 @@ def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None):
-    """--tools (TRL's loop): while the last turn of a sample called tools, the results (read, never
-    trained on) and its next turn are appended, one generate call per turn, until a turn calls none,
-    --max_tool_calling_iterations, or results that would not fit max_completion_length (dropped).
+    """--tools, TRL's loop: while a sample's last turn called tools, append the results (read, not
+    trained on) and its next turn, until no call, --max_tool_calling_iterations, or no room left.
     positions: the prompts' data positions (None: greedy). Returns [calls, failed calls, turns]."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
