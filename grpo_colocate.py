@@ -1216,32 +1216,36 @@ class ColocatedEngine:
         return info
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The policy: the HF model, wrapped so that DDP sees the one forward GRPO needs (per-token logprobs).
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class Policy(nn.Module):
-    """HF causal LM -> per-token logprobs and entropies of the completion tokens of a packed micro-batch. This is the
-    module DDP wraps (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
+    """HF causal LM -> logprobs and entropies of a packed micro-batch's completion tokens (see
+    plan_micro_batches). DDP wraps this module (its hooks need the forward); FSDP2 shards it."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
-        self.lm, self.entropy_grad = lm, entropy_grad  # entropy_grad: the entropy gets a gradient (--entropy_coef)
-        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))  # rows of fp32 logits per chunk: <= 1 GiB
+        self.lm = lm
+        self.entropy_grad = entropy_grad  # the entropy gets a gradient (--entropy_coef)
+        # tokens per chunk of fp32 logits: <= 1 GiB
+        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
-    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, completion_mask, temperature,
-                top_k=0, top_p=1.0):
-        """The first five: B sequences packed by pack; completion_mask: [B, T] (n ones). Returns logps (top-k/top-p:
-        over the kept set), entropy: [B, T] (0 off the mask), unpacked to [B, T]."""
-        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                       cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest,
-                                       max_length_k=longest).last_hidden_state[0]  # [L, H]
-        # the state at column j predicts the token at column j + 1; only completion tokens go through the lm_head
+    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index,
+                completion_mask, temperature, top_k=0, top_p=1.0):
+        """The first five: pack's output; completion_mask [B, T]. Returns logps (top-k/top-p: over
+        the kept set) and entropy, [B, T] each, 0 off the mask."""
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                    max_length_q=longest, max_length_k=longest)
+        hidden = out.last_hidden_state[0]  # [L, H]
+        # the state at column j predicts the token at column j + 1
         lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
                                    input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p,
                                    self.entropy_grad)  # [n]
-        # unpack: the ones of completion_mask in row-major order are the completion tokens in the packed order
-        return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x) for x in (lp, ent))
+        # unpack to [B, T] (see plan_micro_batches)
+        return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x)
+                     for x in (lp, ent))
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -1249,8 +1253,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def reshard(model: nn.Module):
-    """FSDP2 keeps the root's parameters gathered after a forward (backward would gather them again). After a
-    forward that no backward follows, free them, so that the sharded fp32 masters are the parameters again."""
+    """After a forward that no backward follows: free the root's parameters FSDP2 keeps gathered."""
     if isinstance(model, FSDPModule):
         model.reshard()
 
@@ -1259,17 +1262,16 @@ def autocast(env):
     return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
-                     sliding_window=None, gqa=None, **kwargs):
-    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
-    kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from pack). Grouped-query
-    attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies); gqa:
-    the keyword torch >= 2.12 wants for that, found once by load_lm."""
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
+                     max_length_q=None, sliding_window=None, gqa=None, **kwargs):
+    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16), causal within each
+    sequence: query [1, heads, L, D], key/value [1, kv_heads, L, D]. The kernel shares each KV head
+    among its query heads itself; gqa: the keyword torch >= 2.12 wants for that (from load_lm)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, (kv_)heads, D]
-               for x in (query, key, value))
-    # (left, 0): causal, keys i - left .. i. A sliding window W (transformers', vLLM's): last W keys
+    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)
+               for x in (query, key, value))  # [L, (kv_)heads, D]
+    # (left, 0): keys i - left .. i; -1: all (causal). A sliding window W: the last W keys
     left = -1 if sliding_window is None else sliding_window - 1
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
                       window_size=(left, 0), **(gqa or {}))
@@ -1279,7 +1281,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu
 def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.Module:
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    if attention == "varlen":  # enable_gqa: asked for by torch >= 2.12 (2.11 shares grouped KV heads unasked)
+    if attention == "varlen":  # torch >= 2.12 wants enable_gqa; 2.11 shares KV heads unasked
         from torch.nn.attention.varlen import varlen_attn
         gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
         AttentionInterface.register("varlen", functools.partial(varlen_attention, gqa=gqa))
@@ -1290,39 +1292,40 @@ def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.
 
 
 def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
-    """LoRA through peft: each target Linear computes W x + (alpha / r) B A x, W frozen, only A [r, in] and B [out, r]
-    trained (B starts at 0, so step 0 is the base model). On resume, the checkpoint's adapter."""
+    """LoRA (peft): each target Linear computes W x + (alpha / r) B A x, W frozen, A [r, in] and
+    B [out, r] trained (B starts at 0: step 0 is the base model). On resume: the saved adapter."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if cfg.resume_from_checkpoint:
-        lm = PeftModel.from_pretrained(lm, os.path.join(cfg.resume_from_checkpoint, "adapter"), is_trainable=True)
+        adapter = os.path.join(cfg.resume_from_checkpoint, "adapter")
+        lm = PeftModel.from_pretrained(lm, adapter, is_trainable=True)
     else:
         targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules or None
-        lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                           target_modules=targets, task_type="CAUSAL_LM"))
-    for name, m in lm.named_modules():  # dropout in gradient forwards only: parity, old and ref logps stay exact
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=targets, task_type="CAUSAL_LM")
+        lm = get_peft_model(lm, lora)
+    # dropout in gradient forwards only: the parity probe, old and reference logprobs stay exact
+    for name, m in lm.named_modules():
         if "lora_dropout" in name and isinstance(m, nn.Dropout):
             m.register_forward_pre_hook(lambda m, args: setattr(m, "training", torch.is_grad_enabled()))
     return lm.eval()
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
-    """The policy (or the frozen reference, trainable=False) ready to run on this rank. DDP: every rank holds the whole
-    model; gradients are all-reduced (averaged) in backward. FSDP2 (--fsdp): every rank holds 1/world of each parameter
-    (fp32 masters, AdamW's state beside them); each decoder layer is gathered just before its forward and backward and
-    freed after; gradients are reduce-scattered (averaged) into shards. Compute in env.dtype, reduction in fp32."""
+    """The policy (or the frozen reference, trainable=False) on this rank: whole under DDP; under
+    FSDP2, 1/world of each fp32 parameter, each layer gathered for its forward and backward."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: compile each layer's RMSNorms and MLP, where eager PyTorch spends a kernel per elementwise op (the
-    # norm's square, mean, rsqrt and scales; SwiGLU's silu and product; their backward): fused, they cost 17% less
-    # at 1.5B (BENCHMARKS.md section 10). Dynamic shapes: one compile serves every micro-batch length.
+    # CUDA: compile each layer's norms and MLP, one fused kernel for their elementwise ops (17% less
+    # at 1.5B, BENCHMARKS.md section 10); dynamic shapes: one compile for every micro-batch length.
     for layer in lm.get_decoder().layers if env.device.type == "cuda" else ():
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
                 module.compile(dynamic=True)
-    if trainable and cfg.gradient_checkpointing == "true":  # keep each layer's input; recompute the rest in backward
-        for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
+    # keep each layer's input, recompute the rest in backward (HF's switch needs train(): dropout)
+    if trainable and cfg.gradient_checkpointing == "true":
+        for layer in lm.get_decoder().layers:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves one layer at a time to the GPU and shards it
+    if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves it to the GPU a layer at a time
         shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32),
                      offload_policy=CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy())
         for layer in lm.get_decoder().layers:
@@ -1335,26 +1338,30 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
 
 
 def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool, bool]:
-    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch and
-    --gradient_checkpointing, from an estimate of the peak per rank: 16 bytes per parameter and shard (fp32 weights,
-    grads, AdamW m, v; + 4: the reference), and per budget token 120 x hidden x layers bytes of activations
-    (measured at 1.5B: 9,664 packed tokens took 46 GiB), or 4 x hidden x layers + 120 x hidden with checkpointing
-    (each layer's input; one layer's activations). Room: 85% of the GPU, less the engine's share when it stays awake.
-    Sleep mode auto: off where the room beside the awake engine holds the budget (yours, or 4,096).
-    auto checkpointing: on when fewer than 4,096 tokens would fit without it. The CPU: 8192, no checkpointing."""
-    budget, flag = cfg.max_tokens_per_microbatch, cfg.gradient_checkpointing
+    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch,
+    --gradient_checkpointing and --vllm_enable_sleep_mode, from the planned peak per rank in 85% of
+    the GPU. The CPU: 8192 tokens, no checkpointing."""
+    budget = cfg.max_tokens_per_microbatch
+    flag = cfg.gradient_checkpointing
     if env.device.type != "cuda":
         return budget or 8192, flag == "true", env.sleep
+    # per parameter and shard: fp32 weights, grads, AdamW m and v (16 bytes); the reference (4)
     per_param = 0 if cfg.fsdp_cpu_offload else (16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
     room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - \
         per_param * sum(p.numel() for p in lm.parameters())  # bytes, the engine asleep
+    # activations per token: 120 x hidden x layers bytes (at 1.5B 9,664 tokens took 46 GiB);
+    # checkpointed: each layer's input, and one layer's activations
     hidden, layers = lm.config.hidden_size, lm.config.num_hidden_layers
-    plain, checkpointed = 120 * hidden * layers, 4 * hidden * layers + 120 * hidden  # bytes per token
+    plain = 120 * hidden * layers  # bytes per token
+    checkpointed = 4 * hidden * layers + 120 * hidden  # bytes per token
+    # auto sleep: the engine stays awake where the room beside it holds the budget (yours, or 4,096)
     needed = (budget or 4096) * (checkpointed if flag == "true" else plain)  # bytes
     sleep = env.sleep and (cfg.vllm_enable_sleep_mode == "true" or room - env.engine_bytes < needed)
     if not sleep:
         room -= env.engine_bytes
-    checkpointing = flag == "true" or flag == "auto" and (budget * plain > room if budget else room < 4096 * plain)
+    # auto checkpointing: on where your budget, or 4,096 tokens, would not fit without it
+    too_big = budget * plain > room if budget else room < 4096 * plain
+    checkpointing = flag == "true" or flag == "auto" and too_big
     longest = cfg.max_prompt_length + cfg.max_completion_length
     budget = budget or max(longest, int(room // (checkpointed if checkpointing else plain)))
     return budget, checkpointing, sleep
@@ -1365,18 +1372,18 @@ def lr_lambda(cfg: Config):
         if step < cfg.warmup_steps:
             return step / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return {"linear": max(0.0, 1.0 - progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
-                "constant": 1.0}[cfg.lr_scheduler_type]
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return max(0.0, 1.0 - progress) if cfg.lr_scheduler_type == "linear" else 1.0  # or constant
     return factor
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rollout: generate, score, advantages. A prompt's G completions stay on the rank that owns the prompt.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def load_functions(names: list[str], builtins: dict, flag: str) -> list:
-    """Functions by name: from `builtins` (reward_fns.py's), or module:function for your own
-    (ConfigError if absent)."""
+    """Functions by name: from `builtins` (reward_fns.py's), or module:function; else ConfigError."""
     funcs = []
     for name in names:
         module, _, fn = name.rpartition(":")
@@ -1402,12 +1409,15 @@ def load_tools(cfg: Config) -> dict:
     return {fn.__name__: fn for fn in load_functions(cfg.tools, reward_fns.TOOLS, "tools")}
 
 
-def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
-    """Rewards [N, F]: every reward function on every completion (decoded here: the only use of text); None (not
-    applicable) counts as NaN. Besides the dataset's columns, functions get completion_ids and max_completion_length."""
+def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length):
+    """Rewards [N, F] of every function on every completion, decoded here (the only use of text);
+    None (not applicable): NaN. Beside the columns: completion_ids and max_completion_length."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows for _ in range(G)]
-    columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    columns = {}  # the dataset's columns, each row G times
+    for k in rows[0]:
+        columns[k] = [rows[i // G][k] for i in range(len(rows) * G)]
+    prompts = columns.pop("prompt")
+    columns.pop("prompt_ids", None)
     columns.update(completion_ids=completion_ids, max_completion_length=max_completion_length)
     table = []
     for fn in funcs:
@@ -1419,55 +1429,14 @@ def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_c
     return torch.tensor(table, dtype=torch.float32).T  # [N, F]
 
 
-def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
-    """[N, T]: 1 for each real completion token, completions right-aligned to column 0 (T: the longest)."""
-    lengths = torch.tensor([len(c) for c in completions])
-    return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
-
-
-def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu", scored=None):
-    """Sequences (prompt + completion) concatenated into ONE row, no padding: Policy's first five inputs, on device.
-    input_ids, position_ids [1, L], the position ids restarting at 0 at each sequence (for RoPE); cu_seqlens [B + 1]
-    (int32: where each sequence starts, then L) and the longest sequence's length, for the varlen attention kernel
-    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion
-    token, in order (scored [B, T]: of its ones only, so tool results are read but not scored)."""
-    scored = completion_mask_of(completions) if scored is None else scored
-    ids, positions, starts, index = [], [], [], []
-    for p, c, row in zip(prompts, completions, scored.tolist()):
-        starts.append(len(ids))
-        index += [len(ids) + len(p) + t for t in range(len(c)) if row[t]]
-        ids += p + c
-        positions += range(len(p) + len(c))
-    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return (torch.tensor([ids], device=device), torch.tensor([positions], device=device), cu_seqlens.to(device),
-            longest, torch.tensor(index, dtype=torch.long, device=device))
-
-
-def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list[range]:
-    """Cut sequences, in order, into micro-batches of <= budget tokens (a longer sequence alone). With count (>= that
-    many, <= the sequences): exactly count, halving the micro-batch of the most tokens until there are enough."""
-    cuts, start = [], 0
-    for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
-            cuts.append(range(start, i))
-            start = i
-    while len(cuts) < count:
-        r = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
-        k, mid = cuts.index(r), r.start + len(r) // 2
-        cuts[k:k + 1] = [range(r.start, mid), range(mid, r.stop)]
-    return cuts
-
-
 def is_truncated(token_ids, finish_reason, end_ids) -> bool:
-    """TRL's rule: truncated = no end token: the EOS or pad token, or generation_config's EOS
-    (Llama-3.1: 128001/128008/128009), which vLLM stops on itself: finish_reason "stop"."""
+    """TRL's rule: cut at the length limit without an end token (EOS, pad, or generation_config's
+    EOS, e.g. Llama-3.1's 128001/128008/128009, which vLLM stops on: finish_reason "stop")."""
     return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
 
 
 def add_turn(c, sample=None) -> SimpleNamespace:
-    """sample (None: a new one) with vLLM's completion c, a turn, appended: token_ids, tool_mask (0:
-    a tool result's token), the model tokens' logprobs, the last turn's tokens and finish_reason."""
+    """sample (None: a new one) with vLLM's completion c appended as a turn (tool_mask 1)."""
     sample = sample or SimpleNamespace(token_ids=[], tool_mask=[], logprobs=[])
     sample.token_ids += c.token_ids
     sample.tool_mask += [1] * len(c.token_ids)
@@ -1505,11 +1474,10 @@ def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
     return render(dummy + messages, add_generation_prompt=True)[start:]
 
 
-def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=None):
-    """--tools (TRL's loop): while the last turn of a sample called tools, the results (read, never
-    trained on) and its next turn are appended, one generate call per turn, until a turn calls none,
-    --max_tool_calling_iterations, or results that would not fit max_completion_length (dropped).
-    seed_keys: (i, j) per sample (None: greedy). Returns [calls, failed calls, turns], summed."""
+def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None):
+    """--tools, TRL's loop: while a sample's last turn called tools, append the results (read, not
+    trained on) and its next turn, until no call, --max_tool_calling_iterations, or no room left.
+    positions: the prompts' data positions (None: greedy). Returns [calls, failed calls, turns]."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     counts = torch.tensor([0.0, 0.0, len(samples)])  # [calls, failed calls, turns]
@@ -1536,8 +1504,10 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=
         if not any(group_active):
             break
         seeds = None  # greedy: the eval
-        if seed_keys:  # completion j of the prompt at position i: turn t seeded by (seed, i, j, t)
-            seeds = [derive_seed(cfg.seed, "rollout", *seed_keys[k], turn) for k in active]
+        if positions:  # completion j of the prompt at position i: turn t seeded by (seed, i, j, t)
+            G = cfg.num_generations
+            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
+                     for k in active]
         requests = [prompt_ids[k] + samples[k].token_ids for k in active]
         room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
         outputs = generate(llm, env, requests, replace(params, n=1), seeds, max_tokens=room)
@@ -1549,19 +1519,21 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
-    """Generate G completions per prompt, score them and compute advantages: this rank's generation batch.
+    """This rank's generation batch: G completions per prompt, scored, with advantages.
     positions: the rows' global data positions, which seed their samples."""
-    G, need_logprobs = cfg.num_generations, cfg.vllm_importance_sampling_correction
+    G = cfg.num_generations
+    need_logprobs = cfg.vllm_importance_sampling_correction
     with timed(ledger, "generate", env):
-        # completion j of the prompt at data position i has its own seed, base + G i + j: a pure function of (run
-        # seed, position), so a resume on any number of GPUs samples the same tokens, and no two completions share one
+        # completion j of the prompt at data position i: seed base + G i + j, a pure function of
+        # (run seed, position), whatever the number of GPUs or a resume (see generate)
         seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
         params = sampling_params(cfg, logprobs=need_logprobs)
         outputs = generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds)
-        samples = [add_turn(c) for out in outputs for c in out.outputs]  # N, grouped by prompt
-        prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
-        seed_keys = [(i, j) for i in positions for j in range(G)]
-        tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys)
+        samples = []  # [N], grouped by prompt
+        for out in outputs:
+            samples += [add_turn(c) for c in out.outputs]
+        prompt_ids = [rows[k // G]["prompt_ids"] for k in range(len(samples))]  # [N]
+        tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions)
     completion_ids = [s.token_ids for s in samples]
 
     with timed(ledger, "reward", env):
@@ -1574,15 +1546,20 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     # with fewer than 2 scored completions (std NaN) varies no more than a constant one.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
-    sampled = sum(sum(s.tool_mask) for s in samples)  # tokens the model sampled (not tool results)
-    generated = torch.tensor([len(rows), float((~flat).sum()), float(sampled)])
+    # what was generated (tokens: the model's, not tool results), before dynamic sampling keeps some
+    stats = {"generated_groups": len(rows), "varied_groups": int((~flat).sum()),
+             "generated_tokens": sum(sum(s.tool_mask) for s in samples)}
     if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's groups, informative first
         step_groups = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
         groups = torch.argsort(flat.int(), stable=True)[:step_groups]
         idx = (groups[:, None] * G + torch.arange(G)).flatten().tolist()  # their completions
-        rows, samples = [rows[g] for g in groups.tolist()], [samples[i] for i in idx]
+        rows = [rows[g] for g in groups.tolist()]
+        samples = [samples[i] for i in idx]
+        prompt_ids = [prompt_ids[i] for i in idx]
         completion_ids = [completion_ids[i] for i in idx]
-        rewards_per_func, rewards, flat = rewards_per_func[idx], rewards[idx], flat[groups]
+        rewards_per_func = rewards_per_func[idx]
+        rewards = rewards[idx]
+        flat = flat[groups]
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
@@ -1592,7 +1569,6 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     else:
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
-    prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
     model_tokens = [torch.tensor(s.tool_mask) for s in samples]  # 1: the model's token, 0: a tool's
     completion_mask = nn.utils.rnn.pad_sequence(model_tokens, batch_first=True)  # [N, T]
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
@@ -1602,59 +1578,113 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     if cfg.dynamic_sampling_factor > 1:  # uninformative groups that filled a short step: no loss
         loss_mask = loss_mask * (~flat).float().repeat_interleave(G).unsqueeze(1)
-    vllm_logps = torch.zeros(completion_mask.shape) if need_logprobs else None  # [N, T]
+    vllm_logps = None
     if need_logprobs:  # vLLM's logprob of every token it sampled, in the mask's row-major order
-        vllm_logps[completion_mask.bool()] = torch.tensor([x for s in samples for x in s.logprobs])
-    return SimpleNamespace(
-        prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
-        advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
-        texts=list(zip([row["prompt"] for row in rows for _ in range(G)], tokenizer.batch_decode(
-            completion_ids[:cfg.num_completions_to_print or None], skip_special_tokens=True)))
-        if cfg.log_completions else [],  # (prompt, completion) pairs for --log_completions
-        stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
-               "zero_std": zero_std.float(), "generated": generated,  # generated: groups, varied groups, tokens
-               "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
-               "prompt_tokens": sum(map(len, prompt_ids)),
-               "tools": tool_counts},
-    )
+        vllm_logps = torch.zeros(completion_mask.shape)  # [N, T]
+        vllm_logps[completion_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in samples])
+    stats.update(rewards=rewards, rewards_per_func=rewards_per_func, advantages=advantages,
+                 zero_std=zero_std.float(), lengths=completion_mask.sum(1).float(),
+                 truncated=truncated.float(), prompt_tokens=sum(map(len, prompt_ids)),
+                 tools=tool_counts)
+    texts = []  # (prompt, completion) pairs for --log_completions
+    if cfg.log_completions:
+        decoded = tokenizer.batch_decode(completion_ids[:cfg.num_completions_to_print or None],
+                                         skip_special_tokens=True)
+        texts = [(rows[k // G]["prompt"], text) for k, text in enumerate(decoded)]
+    return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=completion_ids,
+                           completion_mask=completion_mask, loss_mask=loss_mask,
+                           advantages=advantages, vllm_logps=vllm_logps, old_logps=None,
+                           ref_logps=None, texts=texts, stats=stats)
+
+
+def split_micro_batches(lengths: list[int], budget: int, num_micro_batches: int = 0) -> list[range]:
+    """Sequences cut, in order, into micro-batches of <= budget tokens (a longer sequence alone).
+    With num_micro_batches: exactly that many, halving the one of the most tokens until enough."""
+    cuts = []
+    start = 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
+            cuts.append(range(start, i))
+            start = i
+    while len(cuts) < num_micro_batches:
+        largest = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
+        k = cuts.index(largest)
+        mid = largest.start + len(largest) // 2
+        cuts[k:k + 1] = [range(largest.start, mid), range(mid, largest.stop)]
+    return cuts
 
 
 def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
-    """This rank's sequences cut into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every rank
-    (one all_reduce): FSDP2 gathers and reduce-scatters in every micro-batch, and unequal counts would hang."""
+    """Micro-batches and unpacking, the one place. The rank's N sequences (prompt + completion) are
+    cut, in order, into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every
+    rank (one all_reduce: FSDP2 gathers and reduce-scatters in each one; unequal counts would hang).
+    micro_batch packs one into a single row without padding (pack): position ids restart at 0 at
+    each sequence (RoPE), cu_seqlens tells the varlen kernel where each starts. Policy runs the
+    lm_head on the completion tokens only (pack's completion_index) and unpacks their logprobs to
+    [b, T]: the ones of completion_mask in row-major order are those tokens in packed order."""
     lengths = [len(p) + len(c) for p, c in zip(gen_batch.prompt_ids, gen_batch.completion_ids)]
-    count = torch.tensor(len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch)), device=env.device)
+    mine = len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch))
+    num_micro_batches = torch.tensor(mine, device=env.device)
     if env.world > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return split_micro_batches(lengths, cfg.max_tokens_per_microbatch, int(count))
+        dist.all_reduce(num_micro_batches, op=dist.ReduceOp.MAX)
+    return split_micro_batches(lengths, cfg.max_tokens_per_microbatch, int(num_micro_batches))
 
 
-def micro_batch(batch, rows: range, device):
-    """Sequences `rows` of the batch packed into one row (see pack), [b, T] tensors cut to their longest completion."""
-    rows = slice(rows.start, rows.stop)
-    T = max(1, max(map(len, batch.completion_ids[rows])))
+def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
+    """[N, T]: 1 on each completion token, left-aligned (from column 0); T: the longest, >= 1."""
+    lengths = torch.tensor([len(c) for c in completions])
+    return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu", scored=None):
+    """Sequences (prompt + completion) in one row, no padding: Policy's first five inputs, on
+    device (see plan_micro_batches). scored [B, T]: the completion tokens to score (None: all)."""
+    scored = completion_mask_of(completions) if scored is None else scored
+    ids = []
+    positions = []
+    starts = []
+    index = []
+    for p, c, keep in zip(prompts, completions, scored.tolist()):
+        starts.append(len(ids))
+        index += [len(ids) + len(p) + t for t in range(len(c)) if keep[t]]
+        ids += p + c
+        positions += range(len(p) + len(c))
+    input_ids = torch.tensor([ids], device=device)  # [1, L]
+    position_ids = torch.tensor([positions], device=device)  # [1, L]: from 0 in each sequence
+    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [B + 1]: starts, then L
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
+    completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]: their columns
+    return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
+
+
+def micro_batch(batch, seqs: range, device):
+    """Sequences `seqs` of the batch on device: Policy's packed inputs, and [b, T] tensors cut to
+    their longest completion (see plan_micro_batches)."""
+    seqs = slice(seqs.start, seqs.stop)
+    T = max(1, max(map(len, batch.completion_ids[seqs])))
 
     def take(x):  # [N, T_max] -> [b, T]
-        return None if x is None else x[rows, :T].to(device)
-    return SimpleNamespace(
-        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device,  # Policy's inputs
-                    batch.completion_mask[rows, :T]),
-        completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
-        advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
+        return None if x is None else x[seqs, :T].to(device)
+    scored = batch.completion_mask[seqs, :T]  # on the host: pack reads it
+    packed = pack(batch.prompt_ids[seqs], batch.completion_ids[seqs], device, scored)
+    return SimpleNamespace(packed=packed, completion_mask=take(batch.completion_mask),
+                           loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
+                           advantages=batch.advantages[seqs].to(device),
+                           old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
 
 def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
-    """Logprobs of `model` on the whole generation batch, without grad ([N, T] on the CPU), cut as train_step cuts
-    it: the reference's (beta > 0), or the policy's own as the old logprobs of num_iterations > 1 (see train_step)."""
+    """[N, T] logprobs of `model` on the generation batch without grad, on the CPU, in train_step's
+    micro-batches: the reference's (beta > 0), or the old logprobs of num_iterations > 1."""
     plan = plan_micro_batches(gen_batch, cfg, env)
-    micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # copies first, as in train_step
+    micro_batches = [micro_batch(gen_batch, seqs, env.device) for seqs in plan]  # copies first
     with torch.no_grad(), autocast(env):
         logps = [model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
                  for mb in micro_batches]  # [b, T] each
     reshard(model)
     out = torch.zeros(gen_batch.completion_mask.shape)
-    for rows, lp in zip(plan, logps):  # to the host once every forward is queued
-        out[rows.start:rows.stop, :lp.shape[1]] = lp.float().cpu()
+    for seqs, lp in zip(plan, logps):  # to the host once every forward is queued
+        out[seqs.start:seqs.stop, :lp.shape[1]] = lp.float().cpu()
     return out
 
 

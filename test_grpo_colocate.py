@@ -1645,7 +1645,8 @@ def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 1, 2, 3], factor=2)  # prompts 0 and 2 have constant rewards
     assert [p[0] for p in batch.prompt_ids] == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
     assert batch.stats["zero_std"].tolist() == [0.0, 0.0] and batch.loss_mask.sum() == 6  # 1 + 2 tokens each
-    assert batch.stats["generated"].tolist() == [4, 2, 12]  # groups, varied groups, completion tokens
+    generated = [batch.stats[k] for k in ("generated_groups", "varied_groups", "generated_tokens")]
+    assert generated == [4, 2, 12]
     off = stand_in_rollout(monkeypatch, [0, 1], factor=1)  # off: zero-std groups are trained on, as plain GRPO does
     assert off.stats["zero_std"].tolist() == [1.0, 0.0] and off.loss_mask.sum() == 6
 
@@ -1676,7 +1677,8 @@ def test_dynamic_sampling_filters_on_one_reward(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs)  # on the first
     assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]  # prompt 1, filler prompt 0
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]
-    assert batch.stats["generated"].tolist() == [4, 1, 12]  # groups, informative ones, tokens
+    generated = [batch.stats[k] for k in ("generated_groups", "varied_groups", "generated_tokens")]
+    assert generated == [4, 1, 12]  # varied: the informative groups
     by_length = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs,
                                  dynamic_sampling_reward="length_penalty")  # every group varies
     assert [p[0] for p in by_length.prompt_ids] == [100, 100, 102, 102]
