@@ -1477,10 +1477,11 @@ def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None):
     """--tools, TRL's loop: while a sample's last turn called tools, append the results (read, not
     trained on) and its next turn, until no call, --max_tool_calling_iterations, or no room left.
-    positions: the prompts' data positions (None: greedy). Returns [calls, failed calls, turns]."""
+    positions: the prompts' data positions (None: greedy). Returns the counts of tool calls, failed
+    ones and turns."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
-    counts = torch.tensor([0.0, 0.0, len(samples)])  # [calls, failed calls, turns]
+    counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
     if not cfg.tools:
         return counts
     tools = load_tools(cfg)
@@ -1492,7 +1493,8 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
             sample = samples[k]
             calls = TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
             results = [call_tool(tools, call) for call in calls]
-            counts += torch.tensor([len(results), sum(failed for failed, _ in results), 0])
+            counts["tool_calls"] += len(results)
+            counts["tool_failures"] += sum(failed for failed, _ in results)
             suffix = tool_suffix_ids(tokenizer, [msg for _, msg in results]) if results else []
             if results and len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
                 sample.token_ids += suffix
@@ -1513,7 +1515,7 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
         outputs = generate(llm, env, requests, replace(params, n=1), seeds, max_tokens=room)
         for k, out in zip(active, outputs):
             add_turn(out.outputs[0], samples[k])
-        counts[2] += len(active)
+        counts["turns"] += len(active)
         took_turn = active
     return counts
 
@@ -1585,7 +1587,7 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     stats.update(rewards=rewards, rewards_per_func=rewards_per_func, advantages=advantages,
                  zero_std=zero_std.float(), lengths=completion_mask.sum(1).float(),
                  truncated=truncated.float(), prompt_tokens=sum(map(len, prompt_ids)),
-                 tools=tool_counts)
+                 **tool_counts)
     texts = []  # (prompt, completion) pairs for --log_completions
     if cfg.log_completions:
         decoded = tokenizer.batch_decode(completion_ids[:cfg.num_completions_to_print or None],
@@ -1925,8 +1927,10 @@ def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, p
         "len": s["lengths"].sum(),
         "truncated": s["truncated"].sum(),
     }
-    # rollout's counts (prompt tokens, generated groups and tokens, tool calls) sum as they are
-    local.update(s["counts"])
+    # rollout's counts sum as they are
+    for key in ("prompt_tokens", "generated_groups", "varied_groups", "generated_tokens",
+                "tool_calls", "tool_failures", "turns"):
+        local[key] = s[key]
     for j, fn in enumerate(reward_funcs):
         local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
     for key, value in train_stats.items():

@@ -2233,7 +2233,7 @@ is_weights = gc.vllm_importance_weights(logps.detach(), mb.vllm_logps, mb.comple
                                         "token_truncate")
 loss, _ = gc.grpo_loss(logps, logps.detach(), mb.advantages, mb.loss_mask, is_weights=is_weights)
 grad, = torch.autograd.grad(loss, logps)
-result = {{"multi_turn": 0, "counts": batch.stats["tools"].tolist()}}
+result = {{"multi_turn": 0, "counts": [batch.stats[k] for k in ("tool_calls", "tool_failures", "turns")]}}
 for k, ids in enumerate(batch.completion_ids):
     mask = batch.completion_mask[k, :len(ids)].tolist()
     result["multi_turn"] += 0 in mask
