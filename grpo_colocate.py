@@ -2117,7 +2117,7 @@ def build_trainer(cfg: Config, env, state):
 
 
 def print_setup(cfg, env, engine, lm, data, start_step, drawn):
-    """The derived sizes, printed once at start (memory_plan's auto ones included)."""
+    """The derived sizes, printed once at start (memory_plan's automatic ones included)."""
     G = cfg.num_generations
     completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per rank
     trainer = ["FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process"]
@@ -2125,18 +2125,22 @@ def print_setup(cfg, env, engine, lm, data, start_step, drawn):
               "activation checkpointing": cfg.gradient_checkpointing == "true",
               f"LoRA r {cfg.lora_r}": cfg.use_peft}
     trainer += [name for name, on in extras.items() if on]
-    sleep = f"level {cfg.vllm_sleep_level}" if env.sleep else "off"
+    dtype = str(env.dtype).removeprefix("torch.")
+    params = sum(p.numel() for p in lm.parameters()) / 1e6
     print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer "
-           f"{' + '.join(trainer)} | device {env.device.type} | dtype "
-           f"{str(env.dtype).removeprefix('torch.')} | policy "
-           f"{sum(p.numel() for p in lm.parameters()) / 1e6:.1f}M params\n"
-           f"per process and step: {completions // G} prompts (of {drawn} generated) x G {G} = "
+           f"{' + '.join(trainer)} | device {env.device.type} | dtype {dtype} | policy "
+           f"{params:.1f}M params")
+    print0(f"per process and step: {completions // G} prompts (of {drawn} generated) x G {G} = "
            f"{completions} completions, in packed micro-batches of <= "
            f"{cfg.max_tokens_per_microbatch} tokens ({env.attention}) | global batch "
-           f"{completions * env.world} completions ({completions // G * env.world} prompts)\n"
-           f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, "
-           f"max_num_seqs {min(drawn * G * env.tp, 512)}, sleep {sleep}{' (auto)' * engine.auto_sleep}, "
-           f"push via {'load_weights' if env.push_in_place else 'reload_weights'}, canary {'sampled' if engine.canary else 'probe'} | "
+           f"{completions * env.world} completions ({completions // G * env.world} prompts)")
+    max_num_seqs = min(completions * env.tp * math.ceil(cfg.dynamic_sampling_factor), 512)  # make_engine's
+    sleep = f"level {cfg.vllm_sleep_level}" if env.sleep else "off"
+    auto = " (auto)" if engine.auto_sleep else ""
+    push = "load_weights" if env.push_in_place else "reload_weights"
+    canary = "sampled" if engine.canary else "probe"
+    print0(f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, "
+           f"max_num_seqs {max_num_seqs}, sleep {sleep}{auto}, push via {push}, canary {canary} | "
            f"{len(data[1])} train / {len(data[2])} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
 
