@@ -247,13 +247,16 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"{tp} does not divide the world size {world_size}; use a divisor of the number of processes")
     need(G >= 2, "num_generations", f"is {G}; group-relative advantages need at least 2 completions per prompt")
     for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
-                 "max_completion_length", "num_iterations", "num_eval", "weight_push_bucket_mb",
-                 "logging_steps", "max_steps", "lora_r", "ddp_timeout"):
+                 "max_completion_length", "num_iterations", "num_eval", "logging_steps",
+                 "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
+                 "lora_r", "ddp_timeout"):
         need(getattr(cfg, flag) >= 1, flag, f"is {getattr(cfg, flag)}; it must be >= 1")
     # 0 is allowed: each flag's help says what it means (no warmup, no clipping, off, all, never)
-    for flag in ("warmup_steps", "weight_decay", "max_grad_norm", "top_k", "max_tool_calling_iterations",
-                 "num_completions_to_print", "eval_steps"):
+    for flag in ("warmup_steps", "weight_decay", "max_grad_norm", "top_k", "eval_steps",
+                 "max_tool_calling_iterations", "num_completions_to_print"):
         need(getattr(cfg, flag) >= 0, flag, f"is {getattr(cfg, flag)}; it must be >= 0")
+    for flag in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "lora_alpha"):
+        need(getattr(cfg, flag) > 0, flag, f"is {getattr(cfg, flag)}; it must be > 0")
     choices = {"lr_scheduler_type": ("constant", "linear", "cosine"),
                "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
                "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
@@ -278,9 +281,6 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
     need(cfg.loss_type != "cispo" or cfg.epsilon_high >= 1, "epsilon_high",
          f"is {cfg.epsilon_high}; with --loss_type cispo it caps the weight: use >= 1, e.g. 5.0")
-    need(cfg.sapo_temperature_pos > 0 and cfg.sapo_temperature_neg > 0, "sapo_temperature_pos",
-         "and --sapo_temperature_neg must be > 0 (defaults 1.0 and 1.05)")
-    need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
     need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
     need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
     need(1 <= cfg.dynamic_sampling_factor < math.inf, "dynamic_sampling_factor", "must be >= 1 (1: off), e.g. 2")
@@ -291,7 +291,6 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"{cfg.dynamic_sampling_reward!r} is not in --reward_funcs; name one of them, or none")
     load_reward_funcs(cfg)  # imports your module:function ones
     load_tools(cfg)
-    need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(not (cfg.ignore_eos and cfg.mask_truncated_completions), "mask_truncated_completions",
          "with --ignore_eos every completion runs to max_completion_length and all would be masked; drop one")
@@ -303,7 +302,6 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
     need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
-    need(cfg.lora_alpha > 0, "lora_alpha", f"is {cfg.lora_alpha}; the LoRA scale must be > 0")
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
     need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
          "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
@@ -312,7 +310,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
-        # the flags that define the filtered, shuffled train order that the data position counts in
+        # the flags that define the train order that the data position counts in (module docstring)
         for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
                      "prompt_column", "answer_column", "max_prompt_length"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
@@ -334,17 +332,17 @@ def check_model(cfg: Config, model_config) -> None:
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    need(heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0), "vllm_tensor_parallel_size",
+    splits = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    need(splits, "vllm_tensor_parallel_size",
          f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads; use a tp that "
          "divides both (or that the KV heads divide)")
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
         need(not getattr(model_config, capping, None), "model",
              f"the trainer does not compute {capping}; use another model")
     context = getattr(model_config, "max_position_embeddings", None)
-    longest_sequence = cfg.max_prompt_length + cfg.max_completion_length
-    need(not context or longest_sequence <= context, "max_prompt_length",
-         f"+ --max_completion_length = {longest_sequence} exceeds the model's context of {context} "
-         "tokens; shorten them")
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    need(not context or longest <= context, "max_prompt_length",
+         f"+ --max_completion_length = {longest} > the model's context, {context}; shorten them")
     if os.path.isdir(cfg.model) and not any(f.endswith(".safetensors") for f in os.listdir(cfg.model)):
         raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
                           "when loaded and are refused: convert them to safetensors")
@@ -374,9 +372,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_checkpoint_state(path: str) -> dict:
-    """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
-    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code
-    from it. Its "config": the flags of the run (grpo_config.json)."""
+    """A checkpoint's step, scheduler state and "config" (its run's flags), read without running
+    code from it: the DCP metadata must pass MetadataUnpickler; trainer_state.pt: weights_only."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
