@@ -1,52 +1,34 @@
 """grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process. One file, plain PyTorch.
 
-Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server, no HTTP, no
-GPU set aside for inference. Where the GPU cannot hold both, the engine sleeps while the trainer works; after
-every optimizer step the new weights are copied into it in-process.
+Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server, no
+HTTP, no GPU set aside for inference. Where the GPU cannot hold both, the engine sleeps while the
+trainer works; after every optimizer step the new weights are copied into it in-process.
 
-Launch (`bash run.sh` sets everything up and runs a short job on the embedded SmolLM2-135M-Instruct):
-    python grpo_colocate.py                                        # one process: 1 GPU, or the CPU
-    torchrun --nproc_per_node 1 grpo_colocate.py                   # 1 GPU
-    torchrun --nproc_per_node 8 grpo_colocate.py                   # 8 GPUs: 8 engines (tp=1), DDP over 8 ranks
-    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 \
-        --fsdp                                                     # 7B: FSDP2 shards the trainer over the 8 GPUs
-    # several nodes: run on every node, NODE_RANK = 0 .. N-1
-    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD --master_port 29500 \
-        grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 --fsdp
+Launch: `python grpo_colocate.py` (one GPU, or the CPU), or
+`torchrun --nproc_per_node 8 grpo_colocate.py` (DDP over 8 ranks; --fsdp for models of billions).
+`bash run.sh`, and several nodes: README.md, Launching.
 
 One step (one optimizer update; see run() near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over packed token-budget micro-batches, DDP all-reduce (or FSDP2), canary, AdamW
-    push       wake the engine's weights (if asleep), copy the trained weights in, wake its KV cache
+    train      clipped surrogate over packed token-budget micro-batches, DDP (or FSDP2), AdamW
+    push       copy the trained weights into the engine and check them (ColocatedEngine)
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
-Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the scheduler and the data position. The
-data is one stream (epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
-prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same position whatever
-its GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
-GPU (bf16 kernels on other GPU counts may round rare tokens otherwise); a mid-cycle checkpoint starts a new generation.
+Resume (--resume_from_checkpoint; 'latest': the complete checkpoint saved last): a checkpoint holds
+the weights (LoRA: the adapter), AdamW, the scheduler and the data position. The data is one stream
+(epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
+prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same
+position whatever its GPUs, batch size or num_iterations, and samples the same completions for the
+same prompts and weights, on CPU and GPU (bf16 kernels on other GPU counts may round rare tokens
+otherwise). A checkpoint taken mid-way through a num_iterations cycle resumes with a new generation;
+flags that change the train order are refused.
 
-What is implemented, honestly:
-    GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
-        reference (beta > 0), num_iterations > 1 reuses a generation batch against frozen old logprobs.
-    Loss normalisations (loss_type), as TRL 1.16 computes them: grpo (per-sequence mean), bnpo (token mean per
-        micro-batch), dr_grpo (Liu et al. 2025: constant B * max_completion_length; use scale_rewards=none too),
-        dapo (Yu et al. 2025: token mean over the whole global batch; the default).
-    DAPO: clip-higher (epsilon_high), overlong filtering (mask_truncated_completions), the soft overlong penalty
-        (the soft_overlong_punishment reward), dynamic sampling (dynamic_sampling_factor). GSPO (Zheng et al. 2025):
-        importance_sampling_level sequence. Entropy: entropy_coef (a bonus), top_entropy_quantile (Wang et al. 2025).
-    CISPO (MiniMax-M1: a capped, stop-gradient ratio), SAPO (a soft gate in place of the clip).
-    Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
-        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. KL: k3 x the ratio, as TRL.
-    Tools (--tools): multi-turn rollouts calling Python functions; their results are not trained on.
-    Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
-        fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
-        full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
-    LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
-    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
-        rollout_func, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+Implemented: GRPO (DeepSeekMath) and its loss normalisations (loss_type, see grpo_loss), DAPO,
+Dr. GRPO, GSPO, CISPO, SAPO, the importance-sampling correction between vLLM's sampler and the
+trainer, entropy terms, tools, DDP or FSDP2, LoRA. README.md: Variants (each flag and its paper),
+LoRA, Models of billions: FSDP2; what is not implemented: the end of Variants.
 """
 
 import argparse
@@ -202,13 +184,11 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
-    ddp_timeout: int = arg(1800, "seconds a collective may wait before the run fails: the other "
-                           "ranks wait this long while rank 0 writes a checkpoint (NCCL watchdog)")
+    ddp_timeout: int = arg(1800, "seconds a collective waits before the run fails (NCCL watchdog)")
     report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
     log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
     num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
-    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from, or 'latest' (the newest complete "
-                                      "one in --output_dir)")
+    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir, or 'latest' in --output_dir")
     verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and the loading progress bars")
 
 
@@ -223,16 +203,17 @@ def parse_args(argv=None) -> Config:
     parser = argparse.ArgumentParser(prog="grpo_colocate.py", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind, default = f.type, (f.default_factory() if callable(f.default_factory) else f.default)
-        if kind in (bool, "bool"):
-            parser.add_argument(f"--{f.name}", type=str2bool, nargs="?", const=True, default=default,
-                                help=f.metadata["help"])
-        elif str(kind).startswith("list"):
-            item = float if "float" in str(kind) else str
-            parser.add_argument(f"--{f.name}", type=item, nargs="*", default=default, help=f.metadata["help"])
-        else:  # auto|true|false flags: a bare --flag means true
-            parser.add_argument(f"--{f.name}", type=type(default), default=default, help=f.metadata["help"],
-                                **(dict(nargs="?", const="true") if default == "auto" else {}))
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        options = {"default": default, "help": f.metadata["help"]}
+        if f.type in (bool, "bool"):
+            parser.add_argument(f"--{f.name}", type=str2bool, nargs="?", const=True, **options)
+        elif str(f.type).startswith("list"):
+            item = float if "float" in str(f.type) else str
+            parser.add_argument(f"--{f.name}", type=item, nargs="*", **options)
+        elif default == "auto":  # auto | true | false
+            parser.add_argument(f"--{f.name}", type=str, nargs="?", const="true", **options)
+        else:
+            parser.add_argument(f"--{f.name}", type=type(default), **options)
     cfg = Config(**vars(parser.parse_args(argv)))
     if cfg.resume_from_checkpoint == "latest":
         cfg.resume_from_checkpoint = latest_checkpoint(cfg.output_dir)
@@ -253,19 +234,29 @@ class ConfigError(ValueError):
     """Bad input: the message names the flag and the fix."""
 
 
+def need(ok, flag: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"--{flag}: {msg}")
+
+
 def check_config(cfg: Config, world_size: int) -> None:
     """Reject bad flags before any process group, model or engine exists."""
-    def need(ok, flag, msg):
-        if not ok:
-            raise ConfigError(f"--{flag}: {msg}")
-
-    tp, G = cfg.vllm_tensor_parallel_size, cfg.num_generations
+    tp = cfg.vllm_tensor_parallel_size
+    G = cfg.num_generations
     need(tp >= 1 and world_size % tp == 0, "vllm_tensor_parallel_size",
          f"{tp} does not divide the world size {world_size}; use a divisor of the number of processes")
     need(G >= 2, "num_generations", f"is {G}; group-relative advantages need at least 2 completions per prompt")
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length", "num_eval",
-                 "max_completion_length", "num_iterations", "weight_push_bucket_mb", "logging_steps", "max_steps"):
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
+                 "max_completion_length", "num_iterations", "num_eval", "logging_steps",
+                 "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
+                 "lora_r", "ddp_timeout"):
         need(getattr(cfg, flag) >= 1, flag, f"is {getattr(cfg, flag)}; it must be >= 1")
+    # 0 is allowed: each flag's help says what it means (no warmup, no clipping, off, all, never)
+    for flag in ("warmup_steps", "weight_decay", "max_grad_norm", "top_k", "eval_steps",
+                 "max_tool_calling_iterations", "num_completions_to_print"):
+        need(getattr(cfg, flag) >= 0, flag, f"is {getattr(cfg, flag)}; it must be >= 0")
+    for flag in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "lora_alpha"):
+        need(getattr(cfg, flag) > 0, flag, f"is {getattr(cfg, flag)}; it must be > 0")
     choices = {"lr_scheduler_type": ("constant", "linear", "cosine"),
                "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
                "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
@@ -279,23 +270,17 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(per_rank % G == 0, "per_device_train_batch_size",
          f"x gradient_accumulation_steps = {per_rank} completions per process is not a multiple of "
          f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
-    need(cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= cfg.max_prompt_length +
-         cfg.max_completion_length,
+    longest_sequence = cfg.max_prompt_length + cfg.max_completion_length
+    need(cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= longest_sequence,
          "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it (or 0: auto)")
     need(math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0, "learning_rate",
          f"is {cfg.learning_rate}; use a finite positive value such as 1e-6")
-    need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
-    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 turns clipping off)")
     need(cfg.beta >= 0 and math.isfinite(cfg.beta), "beta", f"is {cfg.beta}; the KL coefficient must be >= 0")
     need(0 < cfg.epsilon < 1, "epsilon", f"is {cfg.epsilon}; use a value in (0, 1) such as 0.2")
     need(cfg.epsilon_high == 0 or cfg.epsilon_high >= cfg.epsilon, "epsilon_high",
          f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
     need(cfg.loss_type != "cispo" or cfg.epsilon_high >= 1, "epsilon_high",
          f"is {cfg.epsilon_high}; with --loss_type cispo it caps the weight: use >= 1, e.g. 5.0")
-    need(cfg.sapo_temperature_pos > 0 and cfg.sapo_temperature_neg > 0, "sapo_temperature_pos",
-         "and --sapo_temperature_neg must be > 0 (defaults 1.0 and 1.05)")
-    need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
     need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
     need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
     need(1 <= cfg.dynamic_sampling_factor < math.inf, "dynamic_sampling_factor", "must be >= 1 (1: off), e.g. 2")
@@ -306,10 +291,7 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"{cfg.dynamic_sampling_reward!r} is not in --reward_funcs; name one of them, or none")
     load_reward_funcs(cfg)  # imports your module:function ones
     load_tools(cfg)
-    need(cfg.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0")
-    need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
     need(not (cfg.ignore_eos and cfg.mask_truncated_completions), "mask_truncated_completions",
          "with --ignore_eos every completion runs to max_completion_length and all would be masked; drop one")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization",
@@ -320,20 +302,15 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
     need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
-    need(cfg.lora_r >= 1, "lora_r", f"is {cfg.lora_r}; the LoRA rank must be >= 1")
-    need(cfg.lora_alpha > 0, "lora_alpha", f"is {cfg.lora_alpha}; the LoRA scale must be > 0")
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
     need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
          "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
     need(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to",
          f"{cfg.report_to!r} is not installed; pip install it, or use none")
-    need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
-    need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
-    need(cfg.ddp_timeout >= 1, "ddp_timeout", "must be >= 1 (seconds; HF's default: 1800)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
-        # the flags that define the filtered, shuffled train order that the data position counts in
+        # the flags that define the train order that the data position counts in (module docstring)
         for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
                      "prompt_column", "answer_column", "max_prompt_length"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
@@ -352,19 +329,20 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 def check_model(cfg: Config, model_config) -> None:
     """Checks that need the model's config (read before any process group, weights or engine exist)."""
-    tp, heads = cfg.vllm_tensor_parallel_size, model_config.num_attention_heads
+    tp = cfg.vllm_tensor_parallel_size
+    heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
-                          f"{kv_heads} KV heads; use a tp that divides both (or that the KV heads divide)")
+    splits = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    need(splits, "vllm_tensor_parallel_size",
+         f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads; use a tp that "
+         "divides both (or that the KV heads divide)")
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(model_config, capping, None):
-            raise ConfigError(f"--model: the trainer does not compute {capping}; use another model")
+        need(not getattr(model_config, capping, None), "model",
+             f"the trainer does not compute {capping}; use another model")
     context = getattr(model_config, "max_position_embeddings", None)
-    if context and cfg.max_prompt_length + cfg.max_completion_length > context:
-        raise ConfigError(f"--max_prompt_length + --max_completion_length = "
-                          f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
-                          f"{context} tokens; shorten them")
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    need(not context or longest <= context, "max_prompt_length",
+         f"+ --max_completion_length = {longest} > the model's context, {context}; shorten them")
     if os.path.isdir(cfg.model) and not any(f.endswith(".safetensors") for f in os.listdir(cfg.model)):
         raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
                           "when loaded and are refused: convert them to safetensors")
@@ -394,9 +372,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_checkpoint_state(path: str) -> dict:
-    """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
-    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code
-    from it. Its "config": the flags of the run (grpo_config.json)."""
+    """A checkpoint's step, scheduler state and "config" (its run's flags), read without running
+    code from it: the DCP metadata must pass MetadataUnpickler; trainer_state.pt: weights_only."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
