@@ -4,9 +4,13 @@ Every rank trains the policy AND runs its own in-process vLLM engine on the same
 HTTP, no GPU set aside for inference. Where the GPU cannot hold both, the engine sleeps while the
 trainer works; after every optimizer step the new weights are copied into it in-process.
 
-Launch: `python grpo_colocate.py` (one GPU, or the CPU), or
-`torchrun --nproc_per_node 8 grpo_colocate.py` (DDP over 8 ranks; --fsdp for models of billions).
-`bash run.sh`, and several nodes: README.md, Launching.
+Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
+    python grpo_colocate.py                       # one process: 1 GPU, or the CPU
+    torchrun --nproc_per_node 8 grpo_colocate.py  # 8 GPUs: 8 engines (tp 1), DDP over 8 ranks
+    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct \
+        --vllm_tensor_parallel_size 2 --fsdp      # 7B: 4 engines of tp 2, FSDP2 over 8 ranks
+    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD \
+        --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
 One step (one optimizer update; see run() near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
@@ -25,10 +29,15 @@ same prompts and weights, on CPU and GPU (bf16 kernels on other GPU counts may r
 otherwise). A checkpoint taken mid-way through a num_iterations cycle resumes with a new generation;
 flags that change the train order are refused.
 
-Implemented: GRPO (DeepSeekMath) and its loss normalisations (loss_type, see grpo_loss), DAPO,
-Dr. GRPO, GSPO, CISPO, SAPO, the importance-sampling correction between vLLM's sampler and the
-trainer, entropy terms, tools, DDP or FSDP2, LoRA. README.md: Variants (each flag and its paper),
-LoRA, Models of billions: FSDP2; what is not implemented: the end of Variants.
+Implemented (README.md, Variants: each flag beside its paper):
+    GRPO (DeepSeekMath): group-relative advantages, the clipped surrogate, k3 KL to a frozen
+        reference, num_iterations > 1; TRL 1.16's loss normalisations (loss_type, see NORMALISERS)
+    DAPO (clip-higher, overlong filtering and penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO,
+        SAPO, the entropy bonus and top-entropy tokens, the vLLM/trainer importance-sampling
+        correction (truncated or masked, token or sequence), tools (multi-turn rollouts)
+    DDP or FSDP2, activation checkpointing, LoRA (peft)
+    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
+        rollout_func, tensor or sequence parallelism in the trainer (vLLM's TP is generation only)
 """
 
 import argparse
@@ -125,9 +134,11 @@ class Config:
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: no reference model is loaded)")
-    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: = epsilon); cispo: its cap")
-    loss_type: str = arg("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo (see grpo_loss)")
+    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (acts only with num_iterations > 1)")
+    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: = epsilon; as epsilon, only with "
+                              "num_iterations > 1); cispo: its cap")
+    loss_type: str = arg("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo (NORMALISERS); plain GRPO: "
+                         "grpo with --vllm_importance_sampling_correction false")
     sapo_temperature_pos: float = arg(1.0, "sapo: the gate's temperature where advantage > 0")
     sapo_temperature_neg: float = arg(1.05, "sapo: the gate's temperature elsewhere")
     use_bias_correction_kl: bool = arg(True, "multiply the k3 KL term by the ratio (TRL's default)")
@@ -186,8 +197,8 @@ class Config:
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
     ddp_timeout: int = arg(1800, "seconds a collective waits before the run fails (NCCL watchdog)")
     report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
-    log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
-    num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
+    log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) entries to completions.jsonl + tracker")
+    num_completions_to_print: int = arg(4, "entries per logged step (rank 0's first: one prompt's group; 0: all)")
     resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir, or 'latest' in --output_dir")
     verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and the loading progress bars")
 
@@ -258,7 +269,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     for flag in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "lora_alpha"):
         need(getattr(cfg, flag) > 0, flag, f"is {getattr(cfg, flag)}; it must be > 0")
     choices = {"lr_scheduler_type": ("constant", "linear", "cosine"),
-               "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
+               "loss_type": tuple(NORMALISERS),
                "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
                "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
                "vllm_enable_sleep_mode": ("auto", "true", "false"), "gradient_checkpointing": ("auto", "true", "false"),
@@ -585,7 +596,7 @@ def logit_stats(z, targets, temperature, keep=None):
 
 
 def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logps, grad_entropy):
-    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH of its rows ([n] each):
+    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH of its tokens ([n] each):
         d logp / dz = onehot(target) - p_kept        d H / dz = -p (log p + H)        (then / temperature)
     with p the full distribution and p_kept the one renormalised over the kept set."""
     z32 = z.float() / temperature  # [n, V]
@@ -606,8 +617,8 @@ COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """Per-token logprobs and entropies of the rows of hidden [N, H] (weight: the lm_head [V, H]),
-    chunk_size rows at a time, so [N, V] logits never exist at once. Forward keeps only [N]
+    """Per-token logprobs and entropies of the tokens of hidden [N, H] (weight: the lm_head [V, H]),
+    chunk_size tokens at a time, so [N, V] logits never exist at once. Forward keeps only [N]
     statistics; backward recomputes each chunk's logits (one extra lm_head matmul) and takes their
     gradient from logit_grads."""
 
@@ -662,7 +673,7 @@ def kept_tokens(z, targets, temperature, top_k, top_p):
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
                      entropy_grad=False):
-    """(logps, entropies) [N] of the rows of hidden [N, H] for targets [N] (top-k/top-p: over the
+    """(logps, entropies) [N] of the tokens of hidden [N, H] for targets [N] (top-k/top-p: over the
     kept set). The entropy carries a gradient only with entropy_grad (--entropy_coef); otherwise it
     is logged, or ranks tokens."""
     logps, entropy = TokenLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p, chunk_size)
@@ -2003,8 +2014,8 @@ def make_tracker(cfg: Config) -> SimpleNamespace:
         run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
 
         def table_wandb(step, entries):
-            rows = [list(entry.values()) for entry in entries]
-            run.log({"completions": wandb.Table(columns=list(entries[0]), data=rows)}, step=step)
+            table = wandb.Table(columns=list(entries[0]), data=[list(e.values()) for e in entries])
+            run.log({"completions": table}, step=step)
         return SimpleNamespace(close=run.finish, log=lambda record: run.log(record, step=record["step"]),
                                table=table_wandb)
     return SimpleNamespace(close=lambda: None, log=lambda record: None, table=lambda step, entries: None)
