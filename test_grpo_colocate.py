@@ -1228,7 +1228,7 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
     env = gc.setup_distributed(cfg)
     env.sleep, engine, events, train_step = True, RecordingEngine(), [], gc.train_step
 
-    def sync(self, *args):  # the wake + push + parity check
+    def wake_and_push(self, *args):  # the wake + push + parity check
         self.llm.awake = True
         events.append("push")
         return {"parity_gap": 0.0}
@@ -1237,7 +1237,7 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
         events.append("train, engine " + ("awake" if engine.awake else "asleep"))
         return train_step(*args)
     monkeypatch.setattr(gc, "make_engine", lambda *args: engine)
-    monkeypatch.setattr(gc.ColocatedEngine, "sync", sync)
+    monkeypatch.setattr(gc.ColocatedEngine, "wake_and_push", wake_and_push)
     monkeypatch.setattr(gc, "train_step", recording_train_step)
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
     try:
@@ -1261,10 +1261,10 @@ def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, correction, 
     engine = gc.ColocatedEngine(cfg, SimpleNamespace(sleep=False), None, [5, 6, 7])
     probes = []
 
-    def sync(policy, probe_ids, step, ledger):  # the push, recorded
+    def wake_and_push(policy, probe_ids, step, ledger):  # the push, recorded
         probes.append(probe_ids)
         return {"push_gb": 1.0}
-    monkeypatch.setattr(engine, "sync", sync)
+    monkeypatch.setattr(engine, "wake_and_push", wake_and_push)
     for step in range(3):
         engine.stale = True  # the trainer stepped
         engine.ready(None, step, {})
@@ -1645,7 +1645,8 @@ def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 1, 2, 3], factor=2)  # prompts 0 and 2 have constant rewards
     assert [p[0] for p in batch.prompt_ids] == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
     assert batch.stats["zero_std"].tolist() == [0.0, 0.0] and batch.loss_mask.sum() == 6  # 1 + 2 tokens each
-    assert batch.stats["generated"].tolist() == [4, 2, 12]  # groups, varied groups, completion tokens
+    generated = [batch.stats[k] for k in ("generated_groups", "varied_groups", "generated_tokens")]
+    assert generated == [4, 2, 12]
     off = stand_in_rollout(monkeypatch, [0, 1], factor=1)  # off: zero-std groups are trained on, as plain GRPO does
     assert off.stats["zero_std"].tolist() == [1.0, 0.0] and off.loss_mask.sum() == 6
 
@@ -1676,7 +1677,8 @@ def test_dynamic_sampling_filters_on_one_reward(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs)  # on the first
     assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]  # prompt 1, filler prompt 0
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]
-    assert batch.stats["generated"].tolist() == [4, 1, 12]  # groups, informative ones, tokens
+    generated = [batch.stats[k] for k in ("generated_groups", "varied_groups", "generated_tokens")]
+    assert generated == [4, 1, 12]  # varied: the informative groups
     by_length = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs,
                                  dynamic_sampling_reward="length_penalty")  # every group varies
     assert [p[0] for p in by_length.prompt_ids] == [100, 100, 102, 102]
@@ -1971,7 +1973,7 @@ REQUIRED_KEYS = [
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
     "grad_norm", "logprob_gap", "is_weight/mean", "canary_gap", "time/generate", "time/reward", "time/logprobs",
-    "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "tokens_per_sec_per_gpu",
+    "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "completion_tokens_per_sec_per_gpu",
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
 LEARNS = ["--reward_funcs", "accuracy_reward", "format_reward", "reward_len", "--reward_weights", "1", "1", "0.01"]
@@ -2231,7 +2233,7 @@ is_weights = gc.vllm_importance_weights(logps.detach(), mb.vllm_logps, mb.comple
                                         "token_truncate")
 loss, _ = gc.grpo_loss(logps, logps.detach(), mb.advantages, mb.loss_mask, is_weights=is_weights)
 grad, = torch.autograd.grad(loss, logps)
-result = {{"multi_turn": 0, "counts": batch.stats["tools"].tolist()}}
+result = {{"multi_turn": 0, "counts": [batch.stats[k] for k in ("tool_calls", "tool_failures", "turns")]}}
 for k, ids in enumerate(batch.completion_ids):
     mask = batch.completion_mask[k, :len(ids)].tolist()
     result["multi_turn"] += 0 in mask
@@ -2680,7 +2682,7 @@ def test_world8_cpu(world8, tp):
     assert close(m["advantage_std"], advantages.pow(2).mean().sqrt(), 1e-5, 1e-9)
     assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean(), 1e-6, 1e-9)
     assert m["completion_length/min"] == m["completion_length/max"] == 8 and m["completion_clipped_ratio"] == 1
-    assert close(m["tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
+    assert close(m["completion_tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
     assert m["canary_gap"] < 1e-4 and m["logprob_gap"] < 1e-3
     # the eval: 3 rows over 8 ranks, each scored once, the mean over the 3 (at step 0 and after step 1)
     evals = {r: [c for c in run.rewards[r] if len(c["row"]) == 1] for r in range(8)}

@@ -202,7 +202,7 @@ def summarize(name, metrics_path, standalone_path, skip=2):
     other = step - split["generate"] - split["fwd_bwd"] - split["optimizer"] - split["logprobs"]
     row = {
         "name": name, "steps": len(steps), "step_s": step, **{f"{p}_s": v for p, v in split.items()},
-        "tok_s_gpu": med("tokens_per_sec_per_gpu"), "gen_tok_s_gpu": med("generate_tokens_per_sec_per_gpu"),
+        "tok_s_gpu": med("completion_tokens_per_sec_per_gpu") or med("tokens_per_sec_per_gpu"), "gen_tok_s_gpu": med("generate_tokens_per_sec_per_gpu"),
         "standalone_tok_s_gpu": alone["tokens_per_sec_per_gpu"],
         "generate_vs_standalone": med("generate_tokens_per_sec_per_gpu") / alone["tokens_per_sec_per_gpu"],
         "colocation_overhead": colocation / step, "not_generate_or_train": other / step,

@@ -125,7 +125,7 @@ class Meter(TrainerCallback):
         self.length = logs.get("completions/mean_length", self.length)  # absent on steps that reuse a batch (mu > 1)
         tokens = self.length * self.cfg.per_device_train_batch_size * self.cfg.gradient_accumulation_steps
         m.update({"reward": logs.get("reward"), "completion_length/mean": self.length,
-                  "tokens_per_sec_per_gpu": tokens / m["time/step"],  # = global completion tokens / world / step
+                  "completion_tokens_per_sec_per_gpu": tokens / m["time/step"],  # global / world / step
                   "loss": logs.get("loss"), "lr": logs.get("learning_rate"), "grad_norm": logs.get("grad_norm"),
                   **{k.removesuffix("/mean"): v for k, v in logs.items() if k.startswith("rewards/")
                      and k.endswith("/mean")}, **{f"trl/{k}": v for k, v in logs.items()}})
@@ -297,7 +297,7 @@ def compare(ours_path: str, trl_path: str, name: str, skip: int = 2):
                  "push_sleep": med(steps, *(f"time/{p}" for p in colocation)), "logprobs": med(steps, "time/logprobs"),
                  "train": med(steps, *(f"time/{p}" for p in train))}
         row.update({f"{who}_steps": len(steps), f"{who}_step_s": med(steps, "time/step"),
-                    f"{who}_tok_s_gpu": med(steps, "tokens_per_sec_per_gpu"),
+                    f"{who}_tok_s_gpu": med(steps, "completion_tokens_per_sec_per_gpu", "tokens_per_sec_per_gpu"),
                     **{f"{who}_{k}_s": v for k, v in split.items()},
                     f"{who}_split": " / ".join(f"{v:.3f}" for v in split.values()),
                     **{f"{who}_{k}_gib": max((m.get(f"memory/{k}_gib", 0.0) for m in steps), default=0.0)
