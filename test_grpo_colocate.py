@@ -2088,7 +2088,7 @@ def test_e2e_resume_on_one_rank_reproduces_step_two(two_rank_run, tmp_path):
         "clip_ratio/region": (0, 1e-9),
     }
     for key in want:
-        if key.startswith("completion_"):
+        if key.startswith("completion_") and "per_sec" not in key:  # lengths, not throughput
             assert got[key] == want[key], (key, got[key], want[key])
         elif key.startswith(("reward", "frac_", "advantage_std")):
             assert close(got[key], want[key], 1e-5, 1e-9), (key, got[key], want[key])
@@ -2328,6 +2328,8 @@ def test_e2e_tools_on_two_ranks_then_a_resume_reproduces_the_next_step(tmp_path)
     want, got = steps[1], [r for r in read_metrics(resumed) if "reward" in r][0]
     assert got["step"] == 2
     for key in want:
+        if "per_sec" in key:  # throughput: a time
+            continue
         if key.startswith(("completion_", "tools/", "reward")):  # the same samples, turns, rewards
             assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
         elif key in ("loss", "grad_norm", "entropy", "is_weight/mean"):
