@@ -169,12 +169,12 @@ s11)
   # saved at 3 (what a newcomer's log shows), then resumed from checkpoint-3 (a resume's step 1)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/pyt/*.whl > /dev/null 2>&1
   versions | tee "$OUT/versions.txt"
-  timeout "${T_TESTS:-170}" bash run.sh test --gpu -v > "$OUT/s11-gpu-tests.txt" 2>&1; tail -4 "$OUT/s11-gpu-tests.txt"
-  D=(--max_steps 6 --eval_steps 3 --num_eval 64)
-  timeout 100 bash run.sh "${D[@]}" --save_steps 3 --output_dir outputs/s11 > "$OUT/s11-default.log" 2>&1
-  timeout 60 bash run.sh "${D[@]}" --save_steps -1 --output_dir outputs/s11r \
+  timeout "${T_TESTS:-300}" bash run.sh test --gpu -v > "$OUT/s11-gpu-tests.txt" 2>&1; tail -4 "$OUT/s11-gpu-tests.txt"
+  D=(--model "$SMOL" --max_steps 6 --eval_steps 3 --num_eval 64)
+  timeout 170 bash run.sh "${D[@]}" --save_steps 3 --output_dir outputs/s11 > "$OUT/s11-default.log" 2>&1
+  timeout 130 bash run.sh "${D[@]}" --save_steps -1 --output_dir outputs/s11r \
     --resume_from_checkpoint outputs/s11/checkpoint-3 > "$OUT/s11-resumed.log" 2>&1
-  keep outputs/s11 s11-default; keep outputs/s11r s11-resumed
+  cp outputs/s11/metrics.jsonl "$OUT/s11-default-metrics.jsonl"; cp outputs/s11r/metrics.jsonl "$OUT/s11-resumed-metrics.jsonl"
   grep -h "^step\|engine ready\|eval at\|^world" "$OUT"/s11-*.log | cut -c1-250; wc -l "$OUT"/s11-*.log ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
