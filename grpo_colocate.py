@@ -12,22 +12,13 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD \
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
-One step (one optimizer update; see run() near the end):
-    generate   each rank samples G completions for each of its prompts with its engine (TP groups share one)
-    score      reward functions from reward_fns.py, weighted and summed
-    advantages group-relative: A = (r - mean(group)) / std(group)
-    train      clipped surrogate over packed token-budget micro-batches, DDP (or FSDP2), AdamW
-    push       copy the trained weights into the engine and check them (ColocatedEngine)
-    log        one stdout line and one JSON line in <output_dir>/metrics.jsonl
+One step (one optimizer update; see run() near the end, and README.md, What one step does):
+generate -> score -> advantages A = (r - mean(group)) / std(group) -> train -> push -> log.
 
-Resume (--resume_from_checkpoint; 'latest': the complete checkpoint saved last): a checkpoint holds
-the weights (LoRA: the adapter), AdamW, the scheduler and the data position. The data is one stream
-(epochs of rows shuffled by --seed); each generation takes its next slice, and completion j of the
-prompt at position i has its own seed (from --seed, i, j). So a resumed run continues at the same
-position whatever its GPUs, batch size or num_iterations, and samples the same completions for the
-same prompts and weights, on CPU and GPU (bf16 kernels on other GPU counts may round rare tokens
-otherwise). A checkpoint taken mid-way through a num_iterations cycle resumes with a new generation;
-flags that change the train order are refused.
+Resume (--resume_from_checkpoint; 'latest': the complete checkpoint saved last): the data is one
+stream (epochs of rows shuffled by --seed), and completion j of the prompt at position i has its
+own seed (from --seed, i, j). So a resumed run continues at the same position and samples the same
+completions whatever its GPUs, batch size or num_iterations (README.md, When something goes wrong).
 
 Implemented (README.md, Variants: each flag beside its paper):
     GRPO (DeepSeekMath): group-relative advantages, the clipped surrogate, k3 KL to a frozen
@@ -233,8 +224,7 @@ def parse_args(argv=None) -> Config:
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    """The complete checkpoint-<step> in output_dir saved last (a save cut short is a .tmp dir).
-    Not the highest step: a run resumed from an earlier one saves beside an abandoned later one."""
+    """The complete checkpoint-<step> saved last: not a .tmp (cut) one, not the highest (README)."""
     saves = glob.glob(f"{glob.escape(output_dir)}/checkpoint-*[0-9]/trainer_state.pt")
     if not saves:
         raise ConfigError(f"--resume_from_checkpoint latest: no complete checkpoint in --output_dir {output_dir!r}")
@@ -383,8 +373,7 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_checkpoint_state(path: str) -> dict:
-    """A checkpoint's step, scheduler state and "config" (its run's flags), read without running
-    code from it: the DCP metadata must pass MetadataUnpickler; trainer_state.pt: weights_only."""
+    """A checkpoint's step, scheduler state and "config" (its flags), read without running code."""
     try:
         with open(os.path.join(path, "optimizer", ".metadata"), "rb") as f:
             MetadataUnpickler(f).load()  # torch.distributed.checkpoint reads it with a plain pickle.load
