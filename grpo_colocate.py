@@ -736,7 +736,6 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     gpu_bytes = torch.cuda.mem_get_info(device)[1] if cuda else 0
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * gpu_bytes) + (2 << 30) if cuda else 0
-    # What differs by platform, decided here (memory_plan may still turn sleep off, at start)
     return SimpleNamespace(
         rank=rank, world=world, local_rank=local_rank, is_main=rank == 0, device=device,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
@@ -950,8 +949,7 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 
 @contextmanager
 def quiet_engine_start(cuda: bool):
-    """Hide what every run prints and needs no action on: the warnings below (for good) and, on
-    CUDA, vLLM's CUDA-graph capture bars, drawn whatever use_tqdm_on_load says (stderr is held)."""
+    """Hide the warnings below (for good) and, on CUDA, the CUDA-graph bars (stderr is held)."""
     # e.g. the CPU push has no tensor for RotaryEmbedding nor a tied lm_head (push_weights re-packs)
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
@@ -969,8 +967,7 @@ def quiet_engine_start(cuda: bool):
 
 
 def make_engine(cfg: Config, env, model_config):
-    """vllm.LLM inside this process: external_launcher joins our torch.distributed world instead
-    of spawning workers. Per-request seeds, not this engine seed, make a TP group sample alike."""
+    """vllm.LLM in this process: external_launcher joins our world instead of spawning workers."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # yours wins
     from vllm import LLM
 
@@ -1028,12 +1025,9 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out. max_tokens: one per prompt (a tool turn's
-    room). seeds: one per prompt; vLLM samples the n completions of prompt i from generators seeded
-    seeds[i], seeds[i] + 1, ...: the tokens depend on neither the rest of the batch, the process's
-    RNG (the GPU sampler ignores it), nor the rank. That is also why the ranks of a TP group, which
-    drive ONE engine, sample alike: tp_generate gathers their requests, every rank submits the same
-    list and keeps its own slice (in request order); a fingerprint proves that the group agrees."""
+    """Token ids in, one RequestOutput per prompt out; max_tokens: one per prompt (a tool turn's
+    room). vLLM samples the n completions of prompt i with seeds[i], seeds[i] + 1, ...: whatever the
+    batch, the RNG or the rank, so the ranks of a TP group sample alike (tp_generate checks it)."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
@@ -1055,9 +1049,8 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
-        shard = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                   stride=p.stride())
-        return shard.full_tensor()
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
@@ -1089,8 +1082,7 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """The trainer's weights into the engine; vLLM fuses and shards them (qkv, gate_up, TP slices)
-    itself. Returns the bytes pushed."""
+    """The trainer's weights into the engine, which fuses and shards them; returns the bytes."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
     if env.push_in_place:  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
@@ -1130,8 +1122,7 @@ def parity_tolerance(dtype) -> float:
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Stop, naming the step, unless `gap` (the mean |logp gap| over `what`), maxed over ranks so
-    that all stop alike (NaN too), is within the dtype's tolerance: the engine runs our weights."""
+    """Stop unless the mean |logp gap| over `what`, maxed over ranks (NaN too), is within tolerance."""
     gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
     gap = gap.item()
@@ -1146,12 +1137,9 @@ def check_gap(gap: float, env, step, what: str) -> float:
 class ColocatedEngine:
     """This rank's engine (self.llm), the only code that sleeps, wakes or pushes. The loop calls
     rest() before training, sets stale once the optimizer steps, and calls ready() to generate.
-    rest(): with sleep mode (CUDA only), llm.sleep(level) frees the KV cache and the weights:
-      level 1 backs them up to CPU RAM, level 2 discards them (garbage until the next push).
-    ready(): if asleep or stale, wake_and_push(): wake the weights -> push the trainer's (this
-      resets the prefix cache) -> wake the KV cache -> check_gap on the probe. The probe runs after
-      the first push (after a level-2 sleep, it proves every parameter name reaches vLLM), and later
-      only without the canary (IS correction on: train_step checks the sampled tokens instead)."""
+    Sleep (CUDA only) frees the KV cache and the weights: level 1 backs them up to CPU RAM, level 2
+    discards them. The probe checks the first push (every parameter name reaches vLLM), and later
+    ones only without the canary (IS correction on: train_step checks the sampled tokens)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm = make_engine(cfg, env, model_config)
