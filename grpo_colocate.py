@@ -1122,7 +1122,7 @@ def parity_tolerance(dtype) -> float:
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Stop unless the mean |logp gap| over `what`, maxed over ranks (NaN too), is within tolerance."""
+    """Stop unless the mean |logp gap| over `what`, maxed over ranks (NaN too), is tolerable."""
     gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
     gap = gap.item()
