@@ -794,8 +794,7 @@ def timed(ledger: dict, phase: str, env):
 # --------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """'What is 37 + 58?', answer '95': a, b in [0, 99], + or -, 20,000 problems in a seeded order.
-    Held out iff a hash of the text is 0 mod 10: whatever the seed, train and eval share none."""
+    """'What is 37 + 58?' -> '95'. Eval: text hashes 0 mod 10, so no seed mixes the splits."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
     splits = {"train": [], "eval": []}
@@ -816,10 +815,9 @@ def load_rows(cfg: Config):
     if os.path.exists(path):
         builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
         builder = builders.get(path.rsplit(".", 1)[-1])
-        if builder is None:
-            raise ConfigError(f"--dataset: cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
-        if os.path.getsize(path) == 0:
-            raise ConfigError(f"--dataset: {path!r} is empty")
+        need(builder, "dataset",
+             f"cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
+        need(os.path.getsize(path) > 0, "dataset", f"{path!r} is empty")
         load = functools.partial(load_dataset, builder, data_files=path)
     else:
         name, _, config = cfg.dataset.partition(":")
@@ -832,17 +830,15 @@ def load_rows(cfg: Config):
             first_line = (str(e).splitlines() or [""])[0]
             raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} "
                               f"({type(e).__name__}: {first_line})") from None
-        if len(ds) == 0:
-            raise ConfigError(f"--{flag}: split {split!r} of {cfg.dataset!r} has no rows")
+        need(len(ds) > 0, flag, f"split {split!r} of {cfg.dataset!r} has no rows")
         return ds
 
     train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
-        if len(train) < 2:
-            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held "
-                              "out for eval")
+        need(len(train) >= 2, "dataset",
+             f"{cfg.dataset!r} has 1 row, none left once one is held out for eval")
         held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset trains on ~90%
         if held < cfg.num_eval:
             print0(f"holding out {held} of {len(train)} rows for eval "
@@ -850,9 +846,8 @@ def load_rows(cfg: Config):
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
     for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
-        if column not in train.column_names:
-            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; "
-                              f"its columns: {train.column_names}")
+        need(column in train.column_names, flag,
+             f"{cfg.dataset!r} has no column {column!r}; its columns: {train.column_names}")
 
     def rename(row):  # the prompt and answer columns under the names the reward functions expect
         other = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
@@ -903,9 +898,8 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what, tools=()):
     if len(kept) < len(rows):
         print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
                f"--max_prompt_length {max_prompt_length}")
-    if not kept:
-        raise ConfigError(f"--max_prompt_length: all {len(rows)} {what} prompts are longer than "
-                          f"{max_prompt_length} tokens; raise it")
+    need(kept, "max_prompt_length",
+         f"all {len(rows)} {what} prompts are longer than {max_prompt_length} tokens; raise it")
     return kept
 
 
@@ -933,8 +927,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows): this rank's prompts at global `position` of the stream (epochs of rows,
-    each in an order set by (seed, epoch)). Ranks take consecutive slices, whatever their number."""
+    """(positions, rows): this rank's prompts at `position` of a stream of seeded epochs."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     step_rows = []
     for i in positions:
@@ -1137,9 +1130,8 @@ def check_gap(gap: float, env, step, what: str) -> float:
 class ColocatedEngine:
     """This rank's engine (self.llm), the only code that sleeps, wakes or pushes. The loop calls
     rest() before training, sets stale once the optimizer steps, and calls ready() to generate.
-    Sleep (CUDA only) frees the KV cache and the weights: level 1 backs them up to CPU RAM, level 2
-    discards them. The probe checks the first push (every parameter name reaches vLLM), and later
-    ones only without the canary (IS correction on: train_step checks the sampled tokens)."""
+    The probe checks the first push (every parameter name reaches vLLM), and later ones only
+    without the canary (IS correction on: train_step checks the sampled tokens)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm = make_engine(cfg, env, model_config)
