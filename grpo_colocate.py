@@ -1037,8 +1037,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast first (a bf16
-    gather moves half the bytes), then all-gathered: a collective, every rank must call it."""
+    """An FSDP2 shard is cast, then all-gathered (in bf16, half the bytes): every rank calls it."""
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
@@ -1068,9 +1067,8 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
         bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
         size += bucket[-1][1].nbytes
         if size >= bucket_bytes or i == len(params) - 1:
-            bucket.reverse()
             while bucket:
-                yield bucket.pop()
+                yield bucket.pop(0)
             size = 0
 
 
