@@ -1037,7 +1037,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """An FSDP2 shard is cast, then all-gathered (in bf16, half the bytes): every rank calls it."""
+    """An FSDP2 shard is cast, then all-gathered (bf16: half the bytes): every rank calls it."""
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
@@ -1113,7 +1113,7 @@ def parity_tolerance(dtype) -> float:
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Stop unless the mean |logp gap| over `what`, maxed over ranks (NaN too), is tolerable."""
+    """Stop unless `gap` over `what`, maxed over ranks (NaN too), is within parity_tolerance."""
     gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
     gap = gap.item()
