@@ -725,7 +725,6 @@ def setup_distributed(cfg: Config, error: ConfigError | None = None) -> SimpleNa
     # what the engine maps when it wakes (weights + KV cache + its activations), with 2 GiB of headroom
     gpu_bytes = torch.cuda.mem_get_info(device)[1] if cuda else 0
     engine_bytes = int(cfg.vllm_gpu_memory_utilization * gpu_bytes) + (2 << 30) if cuda else 0
-    # What differs by platform, decided here (memory_plan may still turn sleep off, at start)
     return SimpleNamespace(
         rank=rank, world=world, local_rank=local_rank, is_main=rank == 0, device=device,
         tp=tp, tp_group=tp_group, engine_index=rank // tp, num_engines=world // tp, dtype=dtype,
@@ -784,8 +783,7 @@ def timed(ledger: dict, phase: str, env):
 # --------------------------------------------------------------------------------------------------
 
 def arithmetic_task(seed: int, num_eval: int):
-    """'What is 37 + 58?', answer '95': a, b in [0, 99], + or -, 20,000 problems in a seeded order.
-    Held out iff a hash of the text is 0 mod 10: whatever the seed, train and eval share none."""
+    """'What is 37 + 58?' -> '95'. Eval: text hashes 0 mod 10, so no seed mixes the splits."""
     problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
     random.Random(seed).shuffle(problems)
     splits = {"train": [], "eval": []}
@@ -806,10 +804,9 @@ def load_rows(cfg: Config):
     if os.path.exists(path):
         builders = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
         builder = builders.get(path.rsplit(".", 1)[-1])
-        if builder is None:
-            raise ConfigError(f"--dataset: cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
-        if os.path.getsize(path) == 0:
-            raise ConfigError(f"--dataset: {path!r} is empty")
+        need(builder, "dataset",
+             f"cannot read {path!r}; use a .json, .jsonl, .parquet or .csv file")
+        need(os.path.getsize(path) > 0, "dataset", f"{path!r} is empty")
         load = functools.partial(load_dataset, builder, data_files=path)
     else:
         name, _, config = cfg.dataset.partition(":")
@@ -822,17 +819,15 @@ def load_rows(cfg: Config):
             first_line = (str(e).splitlines() or [""])[0]
             raise ConfigError(f"--{flag}: cannot load split {split!r} of {cfg.dataset!r} "
                               f"({type(e).__name__}: {first_line})") from None
-        if len(ds) == 0:
-            raise ConfigError(f"--{flag}: split {split!r} of {cfg.dataset!r} has no rows")
+        need(len(ds) > 0, flag, f"split {split!r} of {cfg.dataset!r} has no rows")
         return ds
 
     train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:
-        if len(train) < 2:
-            raise ConfigError(f"--dataset: {cfg.dataset!r} has 1 row, none left once one is held "
-                              "out for eval")
+        need(len(train) >= 2, "dataset",
+             f"{cfg.dataset!r} has 1 row, none left once one is held out for eval")
         held = min(cfg.num_eval, max(1, len(train) // 10))  # a small dataset trains on ~90%
         if held < cfg.num_eval:
             print0(f"holding out {held} of {len(train)} rows for eval "
@@ -840,9 +835,8 @@ def load_rows(cfg: Config):
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
     for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
-        if column not in train.column_names:
-            raise ConfigError(f"--{flag}: {cfg.dataset!r} has no column {column!r}; "
-                              f"its columns: {train.column_names}")
+        need(column in train.column_names, flag,
+             f"{cfg.dataset!r} has no column {column!r}; its columns: {train.column_names}")
 
     def rename(row):  # the prompt and answer columns under the names the reward functions expect
         other = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
@@ -893,9 +887,8 @@ def tokenize_rows(rows, tokenizer, max_prompt_length, what, tools=()):
     if len(kept) < len(rows):
         print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
                f"--max_prompt_length {max_prompt_length}")
-    if not kept:
-        raise ConfigError(f"--max_prompt_length: all {len(rows)} {what} prompts are longer than "
-                          f"{max_prompt_length} tokens; raise it")
+    need(kept, "max_prompt_length",
+         f"all {len(rows)} {what} prompts are longer than {max_prompt_length} tokens; raise it")
     return kept
 
 
@@ -923,8 +916,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows): this rank's prompts at global `position` of the stream (epochs of rows,
-    each in an order set by (seed, epoch)). Ranks take consecutive slices, whatever their number."""
+    """(positions, rows): this rank's prompts at `position` of a stream of seeded epochs."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     step_rows = []
     for i in positions:
@@ -939,8 +931,7 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 
 @contextmanager
 def quiet_engine_start(cuda: bool):
-    """Hide what every run prints and needs no action on: the warnings below (for good) and, on
-    CUDA, vLLM's CUDA-graph capture bars, drawn whatever use_tqdm_on_load says (stderr is held)."""
+    """Hide the warnings below (for good) and, on CUDA, the CUDA-graph bars (stderr is held)."""
     # e.g. the CPU push has no tensor for RotaryEmbedding nor a tied lm_head (push_weights re-packs)
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
@@ -958,8 +949,7 @@ def quiet_engine_start(cuda: bool):
 
 
 def make_engine(cfg: Config, env, model_config):
-    """vllm.LLM inside this process: external_launcher joins our torch.distributed world instead
-    of spawning workers. Per-request seeds, not this engine seed, make a TP group sample alike."""
+    """vllm.LLM in this process: external_launcher joins our world instead of spawning workers."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")  # yours wins
     from vllm import LLM
 
@@ -1017,12 +1007,9 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out. max_tokens: one per prompt (a tool turn's
-    room). seeds: one per prompt; vLLM samples the n completions of prompt i from generators seeded
-    seeds[i], seeds[i] + 1, ...: the tokens depend on neither the rest of the batch, the process's
-    RNG (the GPU sampler ignores it), nor the rank. That is also why the ranks of a TP group, which
-    drive ONE engine, sample alike: tp_generate gathers their requests, every rank submits the same
-    list and keeps its own slice (in request order); a fingerprint proves that the group agrees."""
+    """Token ids in, one RequestOutput per prompt out; max_tokens: one per prompt (a tool turn's
+    room). vLLM samples the n completions of prompt i with seeds[i], seeds[i] + 1, ...: whatever the
+    batch, the RNG or the rank, so the ranks of a TP group sample alike (tp_generate checks it)."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     def run(requests):
@@ -1039,14 +1026,12 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
 
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """The whole parameter in `dtype` on `device`. An FSDP2 shard (a DTensor) is cast first (a bf16
-    gather moves half the bytes), then all-gathered: a collective, every rank must call it."""
+    """An FSDP2 shard is cast, then all-gathered (bf16: half the bytes): every rank calls it."""
     p = p.detach()
     if isinstance(p, DTensor):
         local = p.to_local().to(device=device, dtype=dtype)  # with --fsdp_cpu_offload: in CPU RAM
-        shard = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                   stride=p.stride())
-        return shard.full_tensor()
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
     return p.to(device=device, dtype=dtype)
 
 
@@ -1071,15 +1056,13 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
         bucket.append((hf_name, merged_tensor(lm, name, p, dtype, device)))
         size += bucket[-1][1].nbytes
         if size >= bucket_bytes or i == len(params) - 1:
-            bucket.reverse()
             while bucket:
-                yield bucket.pop()
+                yield bucket.pop(0)
             size = 0
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """The trainer's weights into the engine; vLLM fuses and shards them (qkv, gate_up, TP slices)
-    itself. Returns the bytes pushed."""
+    """The trainer's weights into the engine, which fuses and shards them; returns the bytes."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
     if env.push_in_place:  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
@@ -1119,8 +1102,7 @@ def parity_tolerance(dtype) -> float:
 
 
 def check_gap(gap: float, env, step, what: str) -> float:
-    """Stop, naming the step, unless `gap` (the mean |logp gap| over `what`), maxed over ranks so
-    that all stop alike (NaN too), is within the dtype's tolerance: the engine runs our weights."""
+    """Stop unless `gap` over `what`, maxed over ranks (NaN too), is within parity_tolerance."""
     gap = torch.tensor(gap, dtype=torch.float64, device=env.device).nan_to_num(math.inf)
     dist.all_reduce(gap, op=dist.ReduceOp.MAX)
     gap = gap.item()
@@ -1135,12 +1117,8 @@ def check_gap(gap: float, env, step, what: str) -> float:
 class ColocatedEngine:
     """This rank's engine (self.llm), the only code that sleeps, wakes or pushes. The loop calls
     rest() before training, sets stale once the optimizer steps, and calls ready() to generate.
-    rest(): with sleep mode (CUDA only), llm.sleep(level) frees the KV cache and the weights:
-      level 1 backs them up to CPU RAM, level 2 discards them (garbage until the next push).
-    ready(): if asleep or stale, wake_and_push(): wake the weights -> push the trainer's (this
-      resets the prefix cache) -> wake the KV cache -> check_gap on the probe. The probe runs after
-      the first push (after a level-2 sleep, it proves every parameter name reaches vLLM), and later
-      only without the canary (IS correction on: train_step checks the sampled tokens instead)."""
+    The probe checks the first push (every parameter name reaches vLLM), and later ones only
+    without the canary (IS correction on: train_step checks the sampled tokens)."""
 
     def __init__(self, cfg: Config, env, model_config, probe_ids: list[int]):
         self.llm = make_engine(cfg, env, model_config)
