@@ -1231,7 +1231,6 @@ class Policy(nn.Module):
         lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
                                    input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p,
                                    self.entropy_grad)  # [n]
-        # unpack to [B, T] (see plan_micro_batches)
         return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x)
                      for x in (lp, ent))
 
@@ -1513,9 +1512,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         # (run seed, position), whatever the number of GPUs or a resume (see generate)
         seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
         params = sampling_params(cfg, logprobs=need_logprobs)
-        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds)
         samples = []  # [N], grouped by prompt
-        for out in outputs:
+        for out in generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds):
             samples += [add_turn(c) for c in out.outputs]
         prompt_ids = [rows[k // G]["prompt_ids"] for k in range(len(samples))]  # [N]
         tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions)
