@@ -1198,7 +1198,6 @@ class Policy(nn.Module):
         lp, ent = chunked_logprobs(hidden[completion_index - 1], self.lm.get_output_embeddings().weight,
                                    input_ids[0, completion_index], temperature, self.chunk_size, top_k, top_p,
                                    self.entropy_grad)  # [n]
-        # unpack to [B, T] (see plan_micro_batches)
         return tuple(x.new_zeros(completion_mask.shape).masked_scatter(completion_mask.bool(), x)
                      for x in (lp, ent))
 
@@ -1220,8 +1219,7 @@ def autocast(env):
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
                      max_length_q=None, sliding_window=None, gqa=None, **kwargs):
     """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16), causal within each
-    sequence: query [1, heads, L, D], key/value [1, kv_heads, L, D]. The kernel shares each KV head
-    among its query heads itself; gqa: the keyword torch >= 2.12 wants for that (from load_lm)."""
+    sequence: query [1, heads, L, D], key/value [1, kv_heads, L, D]; gqa: see load_lm."""
     from torch.nn.attention.varlen import varlen_attn
 
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)
@@ -1293,9 +1291,8 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, trainable=True) -> nn.Module:
 
 
 def memory_plan(cfg: Config, lm: nn.Module, env) -> tuple[int, bool, bool]:
-    """(token budget, checkpointing, sleep): the auto values of --max_tokens_per_microbatch,
-    --gradient_checkpointing and --vllm_enable_sleep_mode, from the planned peak per rank in 85% of
-    the GPU. The CPU: 8192 tokens, no checkpointing."""
+    """The auto --max_tokens_per_microbatch, --gradient_checkpointing and --vllm_enable_sleep_mode
+    (returned in this order), from the planned peak per rank in 85% of the GPU."""
     budget = cfg.max_tokens_per_microbatch
     flag = cfg.gradient_checkpointing
     if env.device.type != "cuda":
@@ -1365,8 +1362,7 @@ def load_tools(cfg: Config) -> dict:
 
 
 def score(funcs, rows, completion_ids: list[list[int]], G: int, tokenizer, max_completion_length):
-    """Rewards [N, F] of every function on every completion, decoded here (the only use of text);
-    None (not applicable): NaN. Beside the columns: completion_ids and max_completion_length."""
+    """Rewards [N, F] of every function on every completion, decoded here (the only use of text)."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {}  # the dataset's columns, each row G times
     for k in rows[0]:
@@ -1432,8 +1428,7 @@ def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None):
     """--tools, TRL's loop: while a sample's last turn called tools, append the results (read, not
     trained on) and its next turn, until no call, --max_tool_calling_iterations, or no room left.
-    positions: the prompts' data positions (None: greedy). Returns the counts of tool calls, failed
-    ones and turns."""
+    positions: the prompts' data positions (None: greedy). Returns the counts."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
 
     counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
@@ -1476,8 +1471,7 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
 
 
 def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weights, ledger):
-    """This rank's generation batch: G completions per prompt, scored, with advantages.
-    positions: the rows' global data positions, which seed their samples."""
+    """This rank's generation batch: G completions per prompt, scored, with advantages."""
     G = cfg.num_generations
     need_logprobs = cfg.vllm_importance_sampling_correction
     with timed(ledger, "generate", env):
@@ -1485,9 +1479,8 @@ def rollout(llm, cfg, env, tokenizer, rows, positions, reward_funcs, reward_weig
         # (run seed, position), whatever the number of GPUs or a resume (see generate)
         seeds = [derive_seed(cfg.seed, "rollout") + G * i for i in positions]
         params = sampling_params(cfg, logprobs=need_logprobs)
-        outputs = generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds)
         samples = []  # [N], grouped by prompt
-        for out in outputs:
+        for out in generate(llm, env, [row["prompt_ids"] for row in rows], params, seeds):
             samples += [add_turn(c) for c in out.outputs]
         prompt_ids = [rows[k // G]["prompt_ids"] for k in range(len(samples))]  # [N]
         tool_counts = tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions)
@@ -1572,13 +1565,12 @@ def split_micro_batches(lengths: list[int], budget: int, num_micro_batches: int 
 
 
 def plan_micro_batches(gen_batch, cfg, env) -> list[range]:
-    """Micro-batches and unpacking, the one place. The rank's N sequences (prompt + completion) are
-    cut, in order, into micro-batches of <= --max_tokens_per_microbatch tokens, as many on every
-    rank (one all_reduce: FSDP2 gathers and reduce-scatters in each one; unequal counts would hang).
-    micro_batch packs one into a single row without padding (pack): position ids restart at 0 at
-    each sequence (RoPE), cu_seqlens tells the varlen kernel where each starts. Policy runs the
-    lm_head on the completion tokens only (pack's completion_index) and unpacks their logprobs to
-    [b, T]: the ones of completion_mask in row-major order are those tokens in packed order."""
+    """Micro-batches and unpacking, the one place. The rank's sequences, cut by split_micro_batches,
+    as many on every rank (one all_reduce: FSDP2 gathers and reduce-scatters in each one; unequal
+    counts would hang). pack puts one in a single row: position ids restart at 0 at each sequence
+    (RoPE), cu_seqlens tells the varlen kernel where each starts. Policy runs the lm_head on the
+    completion tokens only (pack's completion_index) and unpacks their logprobs to [b, T]: the ones
+    of completion_mask in row-major order are those tokens in packed order."""
     lengths = [len(p) + len(c) for p, c in zip(gen_batch.prompt_ids, gen_batch.completion_ids)]
     mine = len(split_micro_batches(lengths, cfg.max_tokens_per_microbatch))
     num_micro_batches = torch.tensor(mine, device=env.device)
