@@ -1771,10 +1771,9 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs) -> dict:
 
 
 def save_checkpoint(cfg, env, step, policy, optimizer, scheduler, tokenizer, data_position: int) -> str:
-    """checkpoint-<step>/ (what it holds and why a resume repeats the run: the module docstring,
-    Resume): the HF weights (fp32, gathered to rank 0), the tokenizer, grpo_config.json, AdamW
-    (optimizer/, DCP: a shard per rank) and trainer_state.pt. Written to a .tmp dir, renamed last.
-    LoRA: adapter/ (what resume reads); merged HF weights in the final checkpoint only."""
+    """checkpoint-<step>/, written to a .tmp dir and renamed last: the HF weights (fp32; LoRA: in the
+    final checkpoint only, merged, and adapter/), the tokenizer, grpo_config.json, AdamW (optimizer/,
+    DCP: a shard per rank), trainer_state.pt. Resume: the module docstring."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
