@@ -395,8 +395,9 @@ def load_model_config(cfg: Config):
         if "trust_remote_code" in str(e):
             raise ConfigError(f"--model: {cfg.model!r} ships Python code that loading it would run (auto_map in its "
                               "config); read that code, and pass --trust_remote_code if you trust it") from None
-        raise ConfigError(f"--model: cannot load {cfg.model!r} ({str(e).splitlines()[0]}); pass a local HF "
-                          "directory, or a hub id with hub access (see README, Troubleshooting)") from None
+        raise ConfigError(f"--model: cannot load {cfg.model!r} ({str(e).splitlines()[0]}); pass a "
+                          "local HF directory, or a hub id with hub access (README: When something "
+                          "goes wrong)") from None
 
 
 # --------------------------------------------------------------------------------------------------
