@@ -515,11 +515,11 @@ def test_policy_packed_forward_matches_each_sequence_alone():
     check_packed_logps(tiny_mistral(), atol=1e-5)
 
 
-def tiny_mistral(window=2):  # a sliding window of `window` keys in every layer
+def tiny_mistral(window=2, hidden=32):  # a sliding window of `window` keys in every layer
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+    config = MistralConfig(vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=256, sliding_window=window,
                            tie_word_embeddings=True, attn_implementation="sdpa")
@@ -579,6 +579,17 @@ def test_varlen_kernel_matches_sdpa_on_a_packed_batch(tiny_model):
     # packed sdpa is exact (the CPU test above): the kernel's gradients agree within bf16 noise
     for a, b in zip(*grads):
         assert (a - b).abs().max() <= 0.05 * b.abs().max() + 1e-6
+
+
+@pytest.mark.gpu
+@NEEDS_CUDA
+def test_varlen_kernel_keeps_a_sliding_window(tmp_path):
+    """torch's varlen kernel on CUDA with a sliding window of 2 keys (window_size (1, 0)): the packed
+    forward against every sequence alone through sdpa, which keeps the window (the CPU test above).
+    Full attention instead of the window moves these logprobs by 0.38 (fp32, on the CPU)."""
+    tiny_mistral(hidden=256).save_pretrained(tmp_path)  # head_dim 64, 4 heads sharing 2 KV heads
+    sdpa = gc.load_lm(str(tmp_path), "cuda")
+    check_packed_logps(sdpa, gc.load_lm(str(tmp_path), "cuda", "varlen"), atol=1e-2, device="cuda")
 
 
 def test_split_micro_batches():
