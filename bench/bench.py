@@ -155,7 +155,7 @@ def sleep_bench(out, argv):
     funcs, weights = gc.load_reward_funcs(cfg)
     ledger = {}
     engine.rest(ledger)  # as the trainer does: the engine sleeps (level 2) while the policy loads, then gets it pushed
-    report["parity_gap_before_training"] = engine.sync(policy, probe, 0, ledger)["parity_gap"]
+    report["parity_gap_before_training"] = engine.wake_and_push(policy, probe, 0, ledger)["parity_gap"]
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     batch = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, 0, 0, per_rank, cfg.seed)[::-1], funcs,
                        weights, ledger)
@@ -177,7 +177,7 @@ def sleep_bench(out, argv):
         report["sampled_gap_stale_caught"] = str(e).split(". The engine")[0]
     optimizer.zero_grad(set_to_none=True)
     engine.rest(ledger)
-    report["parity_gap_after_push"] = engine.sync(policy, probe, 1, ledger)["parity_gap"]
+    report["parity_gap_after_push"] = engine.wake_and_push(policy, probe, 1, ledger)["parity_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)

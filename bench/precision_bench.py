@@ -26,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -35,15 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STAGED = os.path.join(ROOT, ".stage/i24")
 sys.path.insert(0, STAGED if os.path.isfile(os.path.join(STAGED, "grpo_colocate.py")) else ROOT)
 import grpo_colocate as gc  # noqa: E402
-
-SHAPES = {
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                         tie_word_embeddings=True, rope_theta=1e5, rms_norm_eps=1e-5),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-                         rope_theta=1e6, rms_norm_eps=1e-6),
-}
+from train_bench import SHAPES, bench_env, random_batch  # noqa: E402
 
 
 def _chunk_forward(z, targets, temperature):
@@ -182,27 +173,17 @@ def one(shape, variant, profile=None, steps=6):
         compile_kernels()
     device = torch.device("cuda")
     torch.cuda.set_device(0)
-    env = SimpleNamespace(device=device, dtype=torch.bfloat16, world=1, rank=0, local_rank=0, sleep=True,
-                          engine_bytes=0, attention="varlen", push="load_weights")
+    env = bench_env(device)
     cfg = gc.Config(max_completion_length=256)
     policy = build(shape, variant, env, cfg)
     lm = policy.lm
-    budget, checkpointing = gc.memory_plan(cfg, lm, env)
+    budget = gc.memory_plan(cfg, lm, env)[0]
     cfg = gc.dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing="false")
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
 
-    g = torch.Generator().manual_seed(1)
-    P, G = 32, 8
-    prompts = [torch.randint(100, 40000, (int(torch.randint(30, 61, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(P)]
-    prompt_ids = [p for p in prompts for _ in range(G)]
-    lens = [256] * (P * G)
-    completion_ids = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lens]
-    mask = gc.completion_mask_of(completion_ids)
-    batch = SimpleNamespace(prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=mask,
-                            loss_mask=mask.float(), advantages=torch.randn(P * G, generator=g),
-                            vllm_logps=-torch.rand(mask.shape, generator=g) * mask, old_logps=None, ref_logps=None)
+    batch = random_batch(gc)
+    mask = batch.completion_mask
     # precision: the batch's logprobs before any update, against those `main` computes (saved by its run)
     logps = gc.no_grad_logps(policy, batch, cfg, env)
     ref_path = f"/tmp/precision_ref_{shape}.pt"
@@ -211,7 +192,7 @@ def one(shape, variant, profile=None, steps=6):
         torch.save(logps, ref_path)
     elif os.path.exists(ref_path):
         drift = ((logps - torch.load(ref_path)).abs() * mask).sum().item() / mask.sum().item()
-    tokens = sum(map(len, prompt_ids)) + sum(lens)
+    tokens = sum(map(len, batch.prompt_ids)) + sum(map(len, batch.completion_ids))
     times = []
     for step in range(steps):
         torch.cuda.synchronize()

@@ -58,6 +58,28 @@ def load_module(variant):
     return gc
 
 
+def bench_env(device):
+    """The one-rank env a trainer of any commit reads (push: before issue 27; push_in_place: after)."""
+    return SimpleNamespace(device=device, dtype=torch.bfloat16, world=1, rank=0, local_rank=0, sleep=True,
+                           engine_bytes=0, attention="varlen", push="load_weights", push_in_place=True)
+
+
+def random_batch(gc, lengths="fixed"):
+    """One rank's generation batch, seeded: 32 prompts of 30-60 random tokens x G 8 completions of 256
+    tokens (lengths "fixed") or 20-256 (else), random advantages and vLLM logprobs."""
+    g = torch.Generator().manual_seed(1)
+    P, G = 32, 8
+    prompts = [torch.randint(100, 40000, (int(torch.randint(30, 61, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(P)]
+    prompt_ids = [p for p in prompts for _ in range(G)]
+    lens = [256] * (P * G) if lengths == "fixed" else torch.randint(20, 257, (P * G,), generator=g).tolist()
+    completion_ids = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lens]
+    mask = gc.completion_mask_of(completion_ids)
+    return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=mask,
+                           loss_mask=mask.float(), advantages=torch.randn(P * G, generator=g),
+                           vllm_logps=-torch.rand(mask.shape, generator=g) * mask, old_logps=None, ref_logps=None)
+
+
 def one(shape, lengths, variant, profile=None, steps=6):
     from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
@@ -69,28 +91,17 @@ def one(shape, lengths, variant, profile=None, steps=6):
     with device:
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="varlen").eval()
     cfg = gc.Config(max_completion_length=256, max_tokens_per_microbatch=8192 if variant in ("head", "new-8192") else 0)
-    env = SimpleNamespace(device=device, dtype=torch.bfloat16, world=1, rank=0, local_rank=0, sleep=True,
-                          engine_bytes=0, attention="varlen", push="load_weights")
+    env = bench_env(device)
     if hasattr(gc, "memory_plan"):  # the auto budget and checkpointing, as train() resolves them
-        budget, checkpointing = gc.memory_plan(cfg, lm, env)
+        budget, checkpointing = gc.memory_plan(cfg, lm, env)[:2]  # (older code: no third value)
         cfg = gc.dataclasses.replace(cfg, max_tokens_per_microbatch=budget,
                                      gradient_checkpointing=str(checkpointing).lower())
     policy = gc.wrap_policy(lm, env, cfg)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
 
-    g = torch.Generator().manual_seed(1)
-    P, G = 32, 8
-    prompts = [torch.randint(100, 40000, (int(torch.randint(30, 61, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(P)]
-    prompt_ids = [p for p in prompts for _ in range(G)]
-    lens = [256] * (P * G) if lengths == "fixed" else torch.randint(20, 257, (P * G,), generator=g).tolist()
-    completion_ids = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in lens]
-    mask = gc.completion_mask_of(completion_ids)
-    batch = SimpleNamespace(prompt_ids=prompt_ids, completion_ids=completion_ids, completion_mask=mask,
-                            loss_mask=mask.float(), advantages=torch.randn(P * G, generator=g),
-                            vllm_logps=-torch.rand(mask.shape, generator=g) * mask, old_logps=None, ref_logps=None)
-    tokens = sum(map(len, prompt_ids)) + sum(lens)
+    batch = random_batch(gc, lengths)
+    tokens = sum(map(len, batch.prompt_ids)) + sum(map(len, batch.completion_ids))
     times, compile_s = [], None
     for step in range(steps):
         ledger = {}
