@@ -19,6 +19,7 @@ schema that the model sees).
 
 import ast
 import functools
+import json
 import operator
 import re
 import warnings
@@ -159,3 +160,26 @@ def calculator(expression: str) -> str:
 
 
 TOOLS = {f.__name__: f for f in (calculator,)}
+
+
+# The tool-call protocol (Qwen's Hermes format): how the model is told of the tools, and how its calls are
+# read and run. A chat template without a tools section gets the schemas in a system message.
+TOOLS_PROMPT = ("# Tools\n\nYou may call these functions, given as JSON schemas:\n{}\n\n"
+                "To call one, write <tool_call>"
+                '{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>')
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+def call_tool(tools: dict, call: str) -> tuple[bool, dict]:
+    """(failed, the tool message) of a call '{"name": ..., "arguments": {...}}', parsed as JSON, never
+    evaluated. As in TRL, a bad call or a tool that raises gives the model {'error': ...}."""
+    message = {"role": "tool", "name": "unknown"}
+    try:
+        call = json.loads(call)
+        message["name"] = str(call["name"])
+        if message["name"] not in tools:
+            raise ValueError(f"Tool {message['name']} not found.")
+        result = tools[message["name"]](**call.get("arguments", {}))
+    except Exception as e:  # noqa: BLE001 - whatever the tool raises
+        return True, {**message, "content": str({"error": str(e)})}
+    return False, {**message, "content": str(result)}

@@ -142,12 +142,16 @@ fi
 # One process runs as plain python. Several need torchrun, which follows a failed process with a ~20-line report of
 # its own: so the flags, model and data are checked first in one plain process, and a bad one's `error: --flag: ...`
 # stays the last thing on screen.
-launch() {
+launch() {  # then curves.png from the run's metrics.jsonl (bench/plot_curves.py)
   local n=$1; shift
-  [ "$n" -le 1 ] && exec "$PY" grpo_colocate.py "$@"
   case " $* " in *" -h "*|*" --help "*) exec "$PY" grpo_colocate.py --help ;; esac
-  WORLD_SIZE=$n "$PY" -c 'import sys, grpo_colocate; grpo_colocate.check_inputs(sys.argv[1:])' "$@"
-  exec "${TORCHRUN[@]}" --nproc_per_node "$n" grpo_colocate.py "$@"
+  if [ "$n" -le 1 ]; then
+    "$PY" grpo_colocate.py "$@"
+  else
+    WORLD_SIZE=$n "$PY" -c 'import sys, grpo_colocate; grpo_colocate.check_inputs(sys.argv[1:])' "$@"
+    "${TORCHRUN[@]}" --nproc_per_node "$n" grpo_colocate.py "$@"
+  fi
+  "$PY" bench/plot_curves.py "$("$PY" -c 'import sys, grpo_colocate as g; print(g.parse_args(sys.argv[1:]).output_dir)' "$@")"
 }
 
 if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU
