@@ -151,7 +151,7 @@ launch() {  # then curves.png from the run's metrics.jsonl (bench/plot_curves.py
     WORLD_SIZE=$n "$PY" -c 'import sys, grpo_colocate; grpo_colocate.check_inputs(sys.argv[1:])' "$@"
     "${TORCHRUN[@]}" --nproc_per_node "$n" grpo_colocate.py "$@"
   fi
-  "$PY" bench/plot_curves.py "$("$PY" -c 'import sys, grpo_colocate as g; print(g.parse_args(sys.argv[1:]).output_dir)' "$@")"
+  "$PY" bench/plot_curves.py "$@"
 }
 
 if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU

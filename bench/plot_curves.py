@@ -1,7 +1,9 @@
 """The training reward and each held-out eval score per step, from a run's metrics.jsonl, into curves.png.
 
-    python bench/plot_curves.py outputs/cpu-run      # run.sh calls it after every run
+    python bench/plot_curves.py --output_dir outputs/cpu-run   # run.sh calls it after its runs, with
+                                                               # the run's flags (the last --output_dir wins)
 """
+import argparse
 import json
 import os
 import sys
@@ -28,4 +30,6 @@ def plot_curves(output_dir: str):
 
 
 if __name__ == "__main__":
-    plot_curves(sys.argv[1])
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", default="outputs/grpo")  # grpo_colocate.py's default
+    plot_curves(parser.parse_known_args(sys.argv[1:])[0].output_dir)
