@@ -41,7 +41,6 @@ import math
 import os
 import pickle
 import random
-import re
 import shutil
 import socket
 import sys
@@ -83,9 +82,7 @@ CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.
 DEFAULT_MODEL = os.path.join(CACHE, "SmolLM2-135M-Instruct")  # converted from its GGUF by run.sh
 
 
-# ==================================================================================================
-# Config: one flat dataclass, TRL GRPOConfig names where the concept is the same. Each field a flag.
-# ==================================================================================================
+# ===== Config: one flat dataclass, TRL's GRPOConfig names; every field a --flag ===================
 
 def arg(default, help: str):
     """A dataclass field with its --help text; a list default gets a fresh copy per instance."""
@@ -189,9 +186,7 @@ class Config:
         return self.max_prompt_length + self.max_completion_length
 
 
-# ==================================================================================================
-# 1. The prompts of a step: one shuffled stream of data positions; each rank takes its slice.
-# ==================================================================================================
+# ===== 1. The prompts of a step: one shuffled stream of data positions, each rank its slice =======
 
 def derive_seed(*parts) -> int:
     """A 31-bit seed from a tuple of parts (run seed, purpose, position...), on every machine."""
@@ -215,9 +210,7 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
     return positions, step_rows
 
 
-# ==================================================================================================
-# 2. Rollout: G completions per prompt from this rank's engine (one per TP group), tool turns too.
-# ==================================================================================================
+# ===== 2. Rollout: G completions per prompt from this rank's engine, tool turns included ==========
 
 def sampling_params(cfg: Config, greedy=False, logprobs=False):
     from vllm import SamplingParams
@@ -251,8 +244,8 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
         dist.all_gather_object(everyone, requests, group=env.tp_group)
     group_requests = sum(everyone, [])
     prompts = [{"prompt_token_ids": ids} for ids, _, _ in group_requests]
-    params = [replace(params, seed=s, max_tokens=m or params.max_tokens) for _, s, m in group_requests]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    per_request = [replace(params, seed=s, max_tokens=m or params.max_tokens) for _, s, m in group_requests]
+    outputs = llm.generate(prompts, per_request, use_tqdm=False)
     if env.tp > 1:  # hash() of ints and tuples is stable across processes
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
         prints = [None] * env.tp
@@ -275,19 +268,6 @@ def add_turn(c, sample=None) -> SimpleNamespace:
     return sample
 
 
-def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The tokens the chat template puts after a turn's EOS for these tool messages, up to the
-    next assistant header. As TRL: rendered after a dummy call, cut at its last EOS."""
-    call = {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
-    dummy = [{"role": "user", "content": "dummy"},
-             {"role": "assistant", "content": "", "tool_calls": [call]}]
-    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False)
-    prefix = render(dummy)
-    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
-    start = ends[-1] + 1 if ends else len(prefix)
-    return render(dummy + messages, add_generation_prompt=True)[start:]
-
-
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None) -> dict:
     """--tools, TRL's loop: while a sample's last turn called tools, append their results (read by
     the model, never trained on: model_mask 0) and its next turn, until no call, no room, or
@@ -307,7 +287,8 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
             results = [reward_fns.call_tool(tools, call) for call in calls]
             counts["tool_calls"] += len(results)
             counts["tool_failures"] += sum(failed for failed, _ in results)
-            suffix = tool_suffix_ids(tokenizer, [msg for _, msg in results]) if results else []
+            messages = [message for _, message in results]
+            suffix = reward_fns.tool_suffix_ids(tokenizer, messages) if results else []
             if results and len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
                 sample.token_ids += suffix
                 sample.model_mask += [0] * len(suffix)
@@ -347,9 +328,7 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     return samples, tool_turns(llm, cfg, env, tokenizer, sample_prompts, samples, params, positions)
 
 
-# ==================================================================================================
-# 3. Rewards and group-relative advantages. A prompt's G completions stay on the rank that owns it.
-# ==================================================================================================
+# ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
 
 def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length) -> torch.Tensor:
     """Rewards [N, R] of every function on every completion, decoded here (text's only use). A
@@ -452,9 +431,7 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
                            stats=stats)
 
 
-# ==================================================================================================
-# 4. Per-token logprobs and the loss: the math papers change, equations and shapes beside it.
-# ==================================================================================================
+# ===== 4. Per-token logprobs and the loss: the math that papers change ============================
 
 def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
     """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py):
@@ -723,9 +700,7 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
     return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
-# ==================================================================================================
-# 5. The train step: micro-batches cut by tokens, packed without padding; the loss; one AdamW step.
-# ==================================================================================================
+# ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
 
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
     """Sequences cut, in order, into micro-batches of <= budget tokens (a longer one alone). With
@@ -904,9 +879,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     return stats
 
 
-# ==================================================================================================
-# 6. The push: the trained weights into the engine (woken if it sleeps), checked against the trainer.
-# ==================================================================================================
+# ===== 6. The push: the trained weights into the engine, checked against the trainer ==============
 
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     """A parameter whole: an FSDP2 shard is cast, then all-gathered (bf16: half the bytes)."""
@@ -1033,9 +1006,7 @@ class ColocatedEngine:
         self.pushes += 1
 
 
-# ==================================================================================================
-# 7. The loop: the engine, the trainer, then one optimizer step per iteration, read top to bottom.
-# ==================================================================================================
+# ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
 
 MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
 

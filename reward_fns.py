@@ -183,3 +183,16 @@ def call_tool(tools: dict, call: str) -> tuple[bool, dict]:
     except Exception as e:  # noqa: BLE001 - whatever the tool raises
         return True, {**message, "content": str({"error": str(e)})}
     return False, {**message, "content": str(result)}
+
+
+def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The tokens the chat template puts after a turn's EOS for these tool messages, up to the
+    next assistant header. As TRL: rendered after a dummy call, cut at its last EOS."""
+    call = {"type": "function", "function": {"name": messages[0]["name"], "arguments": {}}}
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": [call]}]
+    render = functools.partial(tokenizer.apply_chat_template, tokenize=True, return_dict=False)
+    prefix = render(dummy)
+    ends = [i for i, token in enumerate(prefix) if token == tokenizer.eos_token_id]
+    start = ends[-1] + 1 if ends else len(prefix)
+    return render(dummy + messages, add_generation_prompt=True)[start:]
