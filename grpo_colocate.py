@@ -284,7 +284,7 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
         for k in took_turn:
             sample = samples[k]
             calls = reward_fns.TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
-            results = [reward_fns.call_tool(tools, call) for call in calls]
+            results = [reward_fns.call_tool(tools, c) for c in calls[:reward_fns.MAX_CALLS_PER_TURN]]
             counts["tool_calls"] += len(results)
             counts["tool_failures"] += sum(failed for failed, _ in results)
             messages = [message for _, message in results]
@@ -412,11 +412,13 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
                                            batch_first=True)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in samples])
-    loss_mask = model_mask.float()  # [N, T]
+    # the sequences trained: not the uninformative groups that filled a short step (dynamic sampling)
+    trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
+    if cfg.dynamic_sampling_factor > 1:
+        trained = ~flat.repeat_interleave(G)
+    loss_mask = model_mask.float() * trained.float().unsqueeze(1)  # [N, T]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
-    if cfg.dynamic_sampling_factor > 1:  # uninformative groups that filled a short step: no loss
-        loss_mask = loss_mask * (~flat).float().repeat_interleave(G).unsqueeze(1)
     vllm_logps = None
     if cfg.vllm_importance_sampling_correction:  # vLLM's logprob of each token it sampled
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
@@ -426,7 +428,7 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
                  lengths=model_mask.sum(1).float(), truncated=truncated.float(),
                  prompt_tokens=sum(map(len, prompt_ids)))
     return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
-                           model_mask=model_mask, loss_mask=loss_mask, advantages=advantages,
+                           model_mask=model_mask, loss_mask=loss_mask, trained=trained, advantages=advantages,
                            vllm_logps=vllm_logps, old_logps=None, ref_logps=None, rows=rows,
                            stats=stats)
 
@@ -578,7 +580,7 @@ NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cisp
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
 
 
-def loss_normaliser(loss_type: str, loss_mask, world: int, num_micro_batches: int):
+def loss_normaliser(loss_type: str, batch, world: int, num_micro_batches: int):
     """(this rank's share of grpo_loss's global_count, each micro-batch loss's scale).
 
     A generation batch has one loss however ranks and micro-batches cut it: each micro-batch
@@ -590,8 +592,8 @@ def loss_normaliser(loss_type: str, loss_mask, world: int, num_micro_batches: in
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
     if normaliser == "tokens":
-        return loss_mask.sum(), float(world)  # [N, T] -> loss tokens
-    return loss_mask.new_tensor(len(loss_mask)), float(world)  # sequences
+        return batch.loss_mask.sum(), float(world)  # [N, T] -> loss tokens
+    return batch.trained.sum(), float(world)  # the sequences trained (not dynamic sampling's fillers)
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=None,
@@ -791,7 +793,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     skipped and the canary's gap."""
     cuts = plan_micro_batches(batch, budget, env)
     # the global count and the scale of every micro-batch's loss: see loss_normaliser
-    count, loss_scale = loss_normaliser(cfg.loss_type, batch.loss_mask, env.world, len(cuts))
+    count, loss_scale = loss_normaliser(cfg.loss_type, batch, env.world, len(cuts))
     global_count = None
     if count is not None:
         count = count.to(env.device)
@@ -820,8 +822,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                                             cfg.top_k, cfg.top_p)  # [b, T] each
                 # The old logprobs, of the policy that sampled. num_iterations 1: this forward's,
                 # detached (the engine sampled with these weights, and no update comes between
-                # micro-batches): ratio = 1, the gradient is logp's, no extra forward. > 1: frozen
-                # by no_grad_logps before the first step on this generation batch.
+                # micro-batches): ratio = 1, the gradient is logp's, no extra forward. > 1, or LoRA
+                # dropout (this forward's is noisy): frozen by no_grad_logps, without dropout.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -845,9 +847,10 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
             add("loss", loss * loss_scale)
             for k, v in loss_stats.items():
                 add(k, v * loss_tokens)
-            add("entropy", (entropy * mb.model_mask).sum())
+            add("entropy", (entropy * mb.loss_mask).sum())
             if is_weights is not None:
                 add("logprob_gap", ((old - mb.vllm_logps).abs() * mb.model_mask).nansum())
+                add("gap_tokens", (mb.model_mask * ~mb.vllm_logps.isnan()).sum())
                 weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
                 add("is_weight", (weights * mb.model_mask).sum())
                 add("is_masked", ((weights == 0).float() * mb.model_mask).sum())
@@ -857,7 +860,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     # The canary (IS correction on), before the update: the trainer's logprobs of the tokens vLLM
     # sampled must be vLLM's within the dtype's tolerance, so a stale engine never trains.
     if "logprob_gap" in stats:
-        gap = stats["logprob_gap"] / stats["completion_tokens"]  # NaN: a non-finite step
+        gap = stats["logprob_gap"] / max(stats["gap_tokens"], 1)  # NaN: a non-finite step
         gap = 0.0 if math.isnan(gap) else gap
         stats["canary_gap"] = check_gap(gap, env, step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
@@ -940,6 +943,7 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
     with torch.no_grad(), autocast(env):
         trainer_lp, _ = policy(*packed, scored.to(env.device), 1.0)
     reshard(policy)
+    llm.reset_prefix_cache()  # the next rollout's prefix hits: its own blocks only (exact resumes)
     return (trainer_lp[0].float().cpu() - torch.tensor(vllm_lp)).abs().mean().item()
 
 
@@ -1075,10 +1079,10 @@ def run(cfg: Config, env, inputs):
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
             steps_on_batch = 0
-            # no-grad passes: the old logprobs of num_iterations > 1 (see train_step), and the
-            # reference's (beta > 0; LoRA: the policy with its adapters off)
+            # no-grad passes: the old logprobs of num_iterations > 1 or LoRA dropout (see train_step),
+            # and the reference's (beta > 0; LoRA: the policy with its adapters off)
             with timed(ledger, "logprobs", env):
-                if cfg.num_iterations > 1:
+                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
                     policy = unwrap(trainer.policy)
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.tokens)
                 if trainer.reference is not None:
@@ -1105,7 +1109,7 @@ def run(cfg: Config, env, inputs):
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
         if cfg.save_steps > 0 and step % cfg.save_steps == 0 or is_last_step and cfg.save_steps >= 0:
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position)
+                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position, train_rows)
             print0(f"saved {path}")
 
         # ======== push: the trained weights into the engine, which generates next
@@ -1138,7 +1142,10 @@ def run(cfg: Config, env, inputs):
                 log_completions(cfg, step, batch, reward_funcs, tokenizer)
         bar.update(1)
     bar.close()
-    log.close()
+    try:  # the tracker's close (a network, a disk) cannot fail a finished, saved run
+        log.close()
+    except Exception as e:  # noqa: BLE001
+        print(f"the tracker did not close: {e!r}", file=sys.stderr)
     return llm
 
 
@@ -1146,6 +1153,7 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
     """Greedy decoding on the held-out split (with the tools); each reward function's mean."""
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather in generate
     samples, _ = rollout(llm, cfg, env, tokenizer, [row["prompt_ids"] for row in mine])
+    llm.reset_prefix_cache()  # as after the probe
     sums = torch.zeros(len(reward_funcs))  # [R]
     if mine:
         ids = [s.token_ids for s in samples]
@@ -1219,6 +1227,8 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
 FACTS = {
     "sleep": ("vllm_enable_sleep_mode", "GPUs of unequal memory plan apart: pass true or false"),
     "checkpoint": ("resume_from_checkpoint", "every node must see the same checkpoint"),
+    "start": ("resume_from_checkpoint", "its step and data position: every node must read the same"),
+    "rows": ("dataset", "its training rows: every node must load the same data"),
 }
 
 
@@ -1371,8 +1381,8 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
                           task_type="CAUSAL_LM")
         lm = get_peft_model(lm, lora)
-    # Dropout only in a forward that takes a gradient: the probe, the reference and no-grad
-    # logprobs are exact (the training forward is the old logprobs' at num_iterations 1: README)
+    # dropout only in a forward that takes a gradient: the probe, the reference and the old
+    # logprobs (a no-grad pass under dropout) are exact
     for name, m in lm.named_modules():
         if "lora_dropout" in name and isinstance(m, nn.Dropout):
             m.register_forward_pre_hook(lambda m, args: setattr(m, "training", torch.is_grad_enabled()))
@@ -1489,11 +1499,11 @@ def parse_args(argv=None) -> Config:
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    """The complete checkpoint-<step> saved last: not a .tmp (cut) one, not the highest (README)."""
-    import glob
-    saves = glob.glob(f"{glob.escape(output_dir)}/checkpoint-*[0-9]/trainer_state.pt")
-    need(saves, "resume_from_checkpoint", f"latest: no complete checkpoint in {output_dir!r}")
-    return os.path.dirname(max(saves, key=os.path.getmtime))
+    """The checkpoint this run saved last, named by <output_dir>/latest (not the highest step:
+    after a resume from an older one, the newer ones are an abandoned branch)."""
+    pointer = os.path.join(output_dir, "latest")
+    need(os.path.isfile(pointer), "resume_from_checkpoint", f"latest: no checkpoint in {output_dir!r}")
+    return os.path.join(output_dir, open(pointer).read().strip())
 
 
 def check_config(cfg: Config, world: int, local_world: int) -> None:
@@ -1559,11 +1569,12 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     load_tools(cfg)
     if cfg.resume_from_checkpoint:  # read here: a crafted checkpoint is refused before any engine
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
-        need(not cfg.use_peft or os.path.isdir(cfg.resume_from_checkpoint + "/adapter"), "use_peft",
-             "the checkpoint to resume holds no LoRA adapter/; resume it without --use_peft")
+        adapter = os.path.isdir(os.path.join(cfg.resume_from_checkpoint, "adapter"))
+        need(cfg.use_peft == adapter, "use_peft", "pass it as the checkpoint's run did: its "
+             f"LoRA adapter/ is {'there' if adapter else 'missing'}")
         # the flags that define the train order that the data position counts in
         for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
-                     "prompt_column", "answer_column", "max_prompt_length"):
+                     "prompt_column", "answer_column", "max_prompt_length", "tools"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
                  f"checkpoint's run had {saved.get(flag)!r}: pass that (the same data)")
     try:  # on every rank: each writes its own checkpoint shards there
@@ -1591,10 +1602,19 @@ def check_model(cfg: Config, model_config) -> None:
     need(not os.path.isdir(cfg.model) or any(f.endswith(".safetensors") for f in os.listdir(cfg.model)),
          "model", f"{cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
          "when loaded and are refused: convert them to safetensors")
-    for name, module in meta_model(cfg, model_config).named_modules() if cfg.use_peft else ():
+    lm = meta_model(cfg, model_config)
+    head = lm.get_output_embeddings()
+    # what the trainer's logprobs leave out: refused rather than trained wrong (the probe would stop)
+    need(getattr(head, "bias", None) is None, "model", "its lm_head has a bias (Phi-2, GPT-J)")
+    for scale in ("logits_scaling", "logit_scale", "dim_model_base"):  # Granite, Cohere, MiniCPM
+        need(getattr(model_config, scale, None) in (None, 1), "model", f"its logits are scaled ({scale})")
+    sinks = [n for n, _ in lm.named_parameters() if n.endswith("sinks")]
+    need(not sinks, "model", f"it has attention sinks ({sinks[:1]}, gpt-oss)")
+    for name, module in lm.named_modules() if cfg.use_peft else ():
         targeted = any(name == t or name.endswith("." + t) for t in cfg.lora_target_modules)
-        need(not targeted or not isinstance(module, nn.Embedding), "lora_target_modules",
-             f"{name} is an embedding, whose adapter the push cannot merge; target Linears")
+        need(not targeted or not isinstance(module, nn.Embedding) and module is not head,
+             "lora_target_modules", f"{name}: the push merges and the forward reads the adapters of "
+             "the decoder's Linears only")
 
 
 def meta_model(cfg: Config, model_config) -> nn.Module:
@@ -1719,6 +1739,11 @@ def prepare_data(cfg: Config):
         tools = [get_json_schema(fn) for fn in load_tools(cfg).values()]
     except Exception as e:  # transformers' own kinds: a missing type hint, no Args section...
         need(False, "tools", f"{e} (see README, Tools)")
+    try:  # a template that renders no tool result (Mistral's tool_call_id, Gemma's roles): now
+        if tools:
+            reward_fns.tool_suffix_ids(tokenizer, [{"role": "tool", "name": "f", "content": "1"}])
+    except Exception as e:  # noqa: BLE001 - jinja's and the template's own errors
+        need(False, "tools", f"the model's chat template cannot render a tool result ({e})")
     splits = []
     for rows, what in zip(load_rows(cfg), ("training", "eval")):
         for row in rows:
@@ -1734,7 +1759,7 @@ def prepare_data(cfg: Config):
 
 # ---- D. Checkpoints: written atomically, read without running code, resumed on any world size ----
 
-def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int) -> str:
+def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, train_rows) -> str:
     """checkpoint-<step>/, written as a .tmp dir and renamed last: the HF weights (fp32; LoRA:
     merged, in the final checkpoint only, and adapter/), the tokenizer, grpo_config.json, AdamW
     (optimizer/: DCP, a shard per rank), trainer_state.pt (the step and the data position)."""
@@ -1765,14 +1790,21 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int) -> s
             json.dump(asdict(cfg), f, indent=1)
         # no RNG state: the data order and the rollouts' seeds derive from (seed, position); only
         # --lora_dropout draws, from the generator of (seed, rank), restarted at a resume
-        torch.save({"step": step, "data_position": data_position}, os.path.join(tmp, "trainer_state.pt"))
-        shutil.rmtree(final + ".old", ignore_errors=True)  # left by a kill between the renames
-        if os.path.exists(final):  # an older save of the same step: swapped out, then dropped
-            os.replace(final, final + ".old")
+        state = {"step": step, "data_position": data_position, "rows": rows_digest(train_rows)}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)  # an abandoned branch's save of this step
         os.replace(tmp, final)
-        shutil.rmtree(final + ".old", ignore_errors=True)
+        with open(os.path.join(cfg.output_dir, "latest.tmp"), "w") as f:  # then the pointer to it
+            f.write(os.path.basename(final))
+        os.replace(os.path.join(cfg.output_dir, "latest.tmp"), os.path.join(cfg.output_dir, "latest"))
     dist.barrier()
     return final
+
+
+def rows_digest(rows) -> str:
+    """The training rows as the data position counts them: their number and their prompts' ids."""
+    digest = hashlib.sha256(json.dumps([row["prompt_ids"] for row in rows]).encode()).hexdigest()
+    return f"{len(rows)} rows, {digest[:16]}"
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -1878,16 +1910,16 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H20
 # The logged means: metric -> (numerator, denominator), each summed over every rank in one
 # all_reduce. grpo_loss's stats are token means: train_step weighs them by loss tokens ("tokens").
 MEANS = {
-    "reward": ("reward", "completions"),
+    "reward": ("reward", "scored"),
     "completion_length/mean": ("length", "completions"),
     "completion_clipped_ratio": ("truncated", "completions"),
     "frac_reward_zero_std": ("zero_std", "groups"),
-    "entropy": ("entropy", "completion_tokens"),
+    "entropy": ("entropy", "tokens"),
     "clip_ratio/low": ("clip_ratio/low", "tokens"),
     "clip_ratio/high": ("clip_ratio/high", "tokens"),
     "clip_ratio/region": ("clip_ratio/region", "tokens"),
     "kl": ("kl", "tokens"),
-    "logprob_gap": ("logprob_gap", "completion_tokens"),
+    "logprob_gap": ("logprob_gap", "gap_tokens"),
     "is_weight/mean": ("is_weight", "completion_tokens"),
     "is_weight/masked": ("is_masked", "completion_tokens"),
     # as TRL: calls per generated completion, failures per call
@@ -1928,6 +1960,7 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     local = {
         "reward": s["rewards"].nansum(),
         "reward_sq": (s["rewards"] ** 2).nansum(),
+        "scored": (~s["rewards"].isnan()).sum(),  # completions some reward function scored
         "completions": len(s["rewards"]),
         "adv_sq": (s["advantages"] ** 2).sum(),
         "zero_std": s["zero_std"].sum(),
@@ -1939,8 +1972,9 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     for key in ("prompt_tokens", "generated_groups", "varied_groups", "generated_tokens",
                 "tool_calls", "tool_failures", "turns"):
         local[key] = s[key]
-    for j, fn in enumerate(reward_funcs):
-        local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nan_to_num(0.0).sum()
+    for j, fn in enumerate(reward_funcs):  # each function's mean over what it scored (nanmean)
+        local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nansum()
+        local[f"scored/{fn.__name__}"] = (~s["rewards_per_func"][:, j].isnan()).sum()
     for key, value in train_stats.items():
         if key not in ("grad_norm", "skipped", "canary_gap"):
             local[key] = value
@@ -1950,13 +1984,13 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
 
-    n = t["completions"]
     m = {name: t[num] / max(t[den], 1.0) for name, (num, den) in MEANS.items() if num in t}
     # Bessel-corrected, as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1))
-    m["reward_std"] = math.sqrt(max(t["reward_sq"] / n - m["reward"] ** 2, 0.0) * n / max(n - 1, 1))
+    n = t["scored"]
+    m["reward_std"] = math.sqrt(max(t["reward_sq"] / max(n, 1) - m["reward"] ** 2, 0.0) * n / max(n - 1, 1))
     for fn in reward_funcs:
-        m[f"rewards/{fn.__name__}"] = t[f"rewards/{fn.__name__}"] / n
-    m["advantage_std"] = math.sqrt(t["adv_sq"] / n)
+        m[f"rewards/{fn.__name__}"] = t[f"rewards/{fn.__name__}"] / max(t[f"scored/{fn.__name__}"], 1)
+    m["advantage_std"] = math.sqrt(t["adv_sq"] / t["completions"])
     m["completion_length/min"] = -extremes[1].item()
     m["completion_length/max"] = extremes[0].item()
     m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
@@ -2075,7 +2109,7 @@ def check_inputs(argv=None):
     """Every input checked in this process before any process group, weights or engine: the flags,
     the model's config, the data, the checkpoint, the memory plan. Returns (cfg, env, inputs,
     error). A lone process ends here on a bad input (run.sh calls this alone first); torchrun's
-    ranks agree first (agree_at_start)."""
+    ranks end together, after agree_at_start, whatever failed (a config error or any other)."""
     cfg = None
     try:
         cfg = parse_args(argv)
@@ -2086,24 +2120,36 @@ def check_inputs(argv=None):
         env = setup_env(cfg)
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
+        data = prepare_data(cfg)
+        state = None
+        if cfg.resume_from_checkpoint:  # the training rows that its data position counts in
+            state = read_checkpoint_state(cfg.resume_from_checkpoint)
+            need(state.get("rows", rows_digest(data[1])) == rows_digest(data[1]), "dataset",
+                 f"the training rows ({rows_digest(data[1])}) are not the checkpoint's "
+                 f"({state['rows']}): the data or the model's chat template changed; resume with those")
         num_params = sum(p.numel() for p in meta_model(cfg, model_config).parameters())
-        inputs = SimpleNamespace(
-            model_config=model_config,
-            data=prepare_data(cfg),
-            state=read_checkpoint_state(cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None,
-            plan=memory_plan(cfg, env, model_config, num_params),
-        )
-        return cfg, env, inputs, None
-    except ConfigError as e:
+        plan = memory_plan(cfg, env, model_config, num_params)
+        return cfg, env, SimpleNamespace(model_config=model_config, data=data, state=state, plan=plan), None
+    except Exception as e:  # noqa: BLE001 - under torchrun, routed to every rank (agree_at_start)
+        config_error = isinstance(e, ConfigError)
         if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks
-            return cfg, setup_env(cfg or Config()), None, e
+            if not config_error:
+                print(f"[rank {os.environ['RANK']}] failed:\n{traceback.format_exc()}", file=sys.stderr)
+            return cfg, setup_env(cfg or Config()), None, e if config_error else ConfigError(repr(e))
+        if not config_error:
+            raise
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
 def main(argv=None):
     cfg, env, inputs, error = check_inputs(argv)
-    facts = {"sleep": inputs.plan.sleep, "checkpoint": cfg.resume_from_checkpoint} if inputs else {}
+    facts = {}  # what every rank must have decided alike (agree_at_start)
+    if inputs:
+        state = inputs.state or {}
+        facts = {"sleep": inputs.plan.sleep, "checkpoint": cfg.resume_from_checkpoint,
+                 "start": (state.get("step"), state.get("data_position")),
+                 "rows": rows_digest(inputs.data[1])}
     setup_distributed(cfg, env, error, facts)  # a bad input on any rank stops every rank here
     try:
         llm = run(cfg, env, inputs)
@@ -2112,8 +2158,8 @@ def main(argv=None):
     except BaseException as e:  # noqa: BLE001
         if not isinstance(e, ConfigError):
             print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        elif env.is_main:  # data errors are the same on every rank: said once
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:  # said by every rank: the one that failed may not be rank 0
+            print(f"error: {e} (rank {env.rank})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2 if isinstance(e, ConfigError) else 1)
     # teardown: the engine first (it holds process groups of its own), then ours

@@ -7,7 +7,9 @@ A reward function follows TRL's convention:
 `prompts` and `completions` are decoded text, one entry per completion (a prompt appears G times in a row);
 `columns` holds every other dataset column (here `answer`), repeated the same way, and from the trainer
 `completion_ids` (the completions' token ids, as TRL passes them) and `max_completion_length` (the flag). Return one
-float per completion; None is allowed for "not applicable" and is treated as 0 by the trainer.
+float per completion, or None where the function cannot score it: as in TRL, a None counts 0 in the weighted sum
+and stays out of its function's logged mean; a completion that every function returns None for stays out of its
+group's mean and std, with advantage 0, and out of the logged reward.
 
 Pass functions by name with `--reward_funcs accuracy_reward format_reward` (and `--reward_weights 1.0 0.5`),
 or your own as `--reward_funcs my_module:my_reward` (any importable module).
@@ -22,6 +24,7 @@ import functools
 import json
 import operator
 import re
+import threading
 import warnings
 
 # '#### 42' (GSM8K style), '\boxed{42}' (MATH style), and a bare number, with optional sign, commas, decimals
@@ -168,21 +171,41 @@ TOOLS_PROMPT = ("# Tools\n\nYou may call these functions, given as JSON schemas:
                 "To call one, write <tool_call>"
                 '{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>')
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+# Bounds on what a turn's calls may cost (TRL has none): a call that runs longer fails with an error naming
+# the tool (its thread is left behind, so a stuck tool cannot hold the rollout, nor its TP group, until the
+# process-group timeout); calls past the first MAX_CALLS_PER_TURN of a turn are not run; a result is cut.
+TOOL_TIMEOUT = 10.0  # seconds
+MAX_CALLS_PER_TURN = 8
+MAX_RESULT_CHARS = 2000
 
 
-def call_tool(tools: dict, call: str) -> tuple[bool, dict]:
+def call_tool(tools: dict, call: str, timeout: float = TOOL_TIMEOUT) -> tuple[bool, dict]:
     """(failed, the tool message) of a call '{"name": ..., "arguments": {...}}', parsed as JSON, never
-    evaluated. As in TRL, a bad call or a tool that raises gives the model {'error': ...}."""
+    evaluated. As in TRL, a bad call, a tool that raises, or (here) runs past `timeout` seconds, or returns
+    what str() cannot render gives the model {'error': ...}."""
     message = {"role": "tool", "name": "unknown"}
+    outcome = {}
     try:
         call = json.loads(call)
-        message["name"] = str(call["name"])
-        if message["name"] not in tools:
-            raise ValueError(f"Tool {message['name']} not found.")
-        result = tools[message["name"]](**call.get("arguments", {}))
-    except Exception as e:  # noqa: BLE001 - whatever the tool raises
+        message["name"] = name = str(call["name"])
+        if name not in tools:
+            raise ValueError(f"Tool {name} not found.")
+
+        def run():  # in a thread of its own, so that a stuck tool times out
+            try:
+                outcome["content"] = str(tools[name](**call.get("arguments", {})))[:MAX_RESULT_CHARS]
+            except Exception as e:  # noqa: BLE001 - whatever the tool raises
+                outcome["error"] = e
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"tool {name} ran past {timeout:g} s")
+        if "error" in outcome:
+            raise outcome["error"]
+    except Exception as e:  # noqa: BLE001
         return True, {**message, "content": str({"error": str(e)})}
-    return False, {**message, "content": str(result)}
+    return False, {**message, "content": outcome["content"]}
 
 
 def tool_suffix_ids(tokenizer, messages: list[dict]) -> list[int]:

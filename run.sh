@@ -66,12 +66,17 @@ model.hf_quantizer = None  # the weights are dequantized already; transformers r
 if hasattr(model.config, "quantization_config"):
     del model.config.quantization_config
 model.generation_config.eos_token_id = tok.eos_token_id
-tmp = out + ".tmp"
+tmp = f"{out}.tmp-{os.getpid()}"  # a run started beside this one converts into its own
 shutil.rmtree(tmp, ignore_errors=True)
 model.save_pretrained(tmp)
 tok.save_pretrained(tmp)
 os.makedirs(os.path.dirname(out), exist_ok=True)
-os.replace(tmp, out)
+try:
+    os.rename(tmp, out)
+except OSError:  # the other run renamed its conversion first: the same bytes, and complete
+    if not os.path.isfile(os.path.join(out, "model.safetensors")):
+        raise
+    shutil.rmtree(tmp)
 print("model ready:", out)
 EOF
 }
