@@ -1485,10 +1485,13 @@ def parse_args(argv=None) -> Config:
     parser = HfArgumentParser(Config, prog="grpo_colocate.py", description=__doc__.split("\n")[0])
 
     def refuse(message):  # argparse would print and exit; here it is a ConfigError like the rest
-        raise ConfigError(message.replace("argument ", ""))
+        # "argument --loss_type/--loss-type: invalid choice: ..." -> "--loss_type: invalid choice: ..."
+        raise ConfigError(re.sub(r"^argument (--\w+)(/--[\w-]+)*", r"\1", message))
     parser.error = refuse
     try:
         (cfg,) = parser.parse_args_into_dataclasses(argv)
+    except ConfigError:  # refuse's (a ValueError too): already named
+        raise
     except ValueError as e:  # flags it does not know
         raise ConfigError(f"{e}; python grpo_colocate.py --help lists the flags") from None
     if cfg.resume_from_checkpoint == "latest":

@@ -12,6 +12,7 @@ No mocks of vLLM or the model in the end-to-end tests.
 
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -21,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import typing
 from types import SimpleNamespace
 
 import msgspec
@@ -46,6 +48,52 @@ def close(a, b, rtol=1e-6, atol=0.0):
 # The CUDA half of the trainer (marked gpu): skipped without a GPU; `bash run.sh test --gpu` runs
 # these alone.
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# helpers: a CPU process's env, model masks, a generation batch for train_step, an optimizer stand-in
+# ------------------------------------------------------------------------------------------------------------
+
+def cpu_env(**overrides):
+    """setup_env's namespace for a world of one CPU process (what train_step, build_trainer,
+    memory_plan and run read)."""
+    return SimpleNamespace(**{"rank": 0, "world": 1, "local_world": 1, "is_main": True, "device": torch.device("cpu"),
+                              "dtype": torch.float32, "tp": 1, "engine_bytes": 0, "push_in_place": False,
+                              "attention": "sdpa", **overrides})
+
+
+def completion_mask_of(completions):
+    """[N, T] model mask: 1 on each completion token, left-aligned (from column 0); T: the longest, >= 1."""
+    lengths = torch.tensor([len(c) for c in completions])
+    return (torch.arange(max(1, int(lengths.max())))[None] < lengths[:, None]).long()
+
+
+def train_batch(prompts, completions, advantages, model_mask=None, vllm_logps=None):
+    """A generation batch as make_batch returns it, for train_step: every model token is a loss token."""
+    model_mask = completion_mask_of(completions) if model_mask is None else model_mask
+    return SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=model_mask,
+                           loss_mask=model_mask.float(), advantages=torch.tensor(advantages),
+                           vllm_logps=vllm_logps, old_logps=None, ref_logps=None)
+
+
+class StepGradients:
+    """An optimizer stand-in for train_step: step() keeps the gradients it is given (clipped, if
+    --max_grad_norm clips) and moves no weight."""
+
+    def __init__(self, module):
+        self.params = list(module.parameters())
+        self.grads = None
+
+    def step(self):
+        self.grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+NO_SCHEDULE = SimpleNamespace(step=lambda: None)  # train_step's scheduler where the rate does not matter
+BUDGET = 10_000  # train_step's tokens per micro-batch: one micro-batch for the small batches here
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -116,6 +164,11 @@ ROW1 = [1.6, 2 * math.exp(0.2), 2.0]
 MASKED_SUM = sum(ROW0) + ROW1[0] + ROW1[1]  # 5 active tokens
 
 
+def loss_cfg(loss_type="dapo", epsilon=0.2, epsilon_high=0.0, **flags):
+    """grpo_loss's knobs, a Config: epsilon_high 0 is epsilon (cispo: its cap, 0 is CISPO_CAP)."""
+    return gc.Config(loss_type=loss_type, epsilon=epsilon, epsilon_high=epsilon_high, **flags)
+
+
 @pytest.mark.parametrize("loss_type,expected", [
     ("grpo", (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 2),  # per-sequence means, then the batch mean
     ("bnpo", MASKED_SUM / 5),  # token mean over the batch
@@ -123,7 +176,7 @@ MASKED_SUM = sum(ROW0) + ROW1[0] + ROW1[1]  # 5 active tokens
     ("dapo", MASKED_SUM / 5),  # global_count=None: this batch's tokens
 ])
 def test_grpo_loss_normalisations(loss_type, expected):
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_type, 0.2, 0.2, max_completion_length=4)
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg(loss_type, max_completion_length=4))
     assert close(loss, expected)
     # one of 5 tokens clipped high (row 0, t0), one clipped low (row 1, t0)
     assert close(stats["clip_ratio/high"], 0.2) and close(stats["clip_ratio/low"], 0.2)
@@ -133,16 +186,16 @@ def test_grpo_loss_normalisations(loss_type, expected):
 
 def test_grpo_loss_global_counts():
     # global_count: the global batch's tokens (dapo) or sequences (grpo, dr_grpo), over all ranks and micro-batches
-    assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dapo", global_count=10)[0], MASKED_SUM / 10)
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "grpo", global_count=8)
+    assert close(gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("dapo"), global_count=10)[0], MASKED_SUM / 10)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("grpo"), global_count=8)
     assert close(loss, (sum(ROW0) / 3 + (ROW1[0] + ROW1[1]) / 2) / 8)
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo", max_completion_length=4, global_count=8)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("dr_grpo", max_completion_length=4), global_count=8)
     assert close(loss, MASKED_SUM / (8 * 4))
 
 
 def test_grpo_loss_clip_higher():
     # epsilon_high 0.25: row 0 t0 (r = 1.2214) is no longer clipped, l = -1.2214
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", 0.2, 0.25)
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo", 0.2, 0.25))
     assert close(loss, (MASKED_SUM + 1.2 - math.exp(0.2)) / 5)
     assert close(stats["clip_ratio/high"], 0.0)
 
@@ -152,8 +205,8 @@ def test_grpo_loss_kl():
     d = (ref - LOGPS).tolist()  # [[0, 1, -0.5], [0.5, -0.8, 2 (masked)]]
     kl = [[math.exp(x) - x - 1 for x in row] for row in d]
     kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1,
-                               use_bias_correction_kl=False)  # the plain k3
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo", beta=0.1, use_bias_correction_kl=False),
+                               ref_logps=ref)  # the plain k3
     assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5)
     assert close(stats["kl"], kl_sum / 5)
     assert kl[0][0] == 0 and all(x >= 0 for row in kl for x in row)
@@ -171,11 +224,11 @@ def test_grpo_loss_kl_bias_correction():
     kl = [[(math.exp(x) - x - 1) * r for x, r in zip(d_row, r_row)]
           for d_row, r_row in zip(d, RATIOS)]  # RATIOS = exp(LOGPS - OLD)
     kl_sum = sum(kl[0]) + kl[1][0] + kl[1][1]
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", ref_logps=ref, beta=0.1)
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo", beta=0.1), ref_logps=ref)
     assert close(loss, (MASKED_SUM + 0.1 * kl_sum) / 5) and close(stats["kl"], kl_sum / 5)
     logps = LOGPS.clone().requires_grad_(True)
-    loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(2), MASK, "bnpo", ref_logps=ref,
-                           beta=0.1)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(2), MASK, loss_cfg("bnpo", beta=0.1),
+                           ref_logps=ref)
     loss.backward()
     assert torch.allclose(logps.grad, 0.1 * (LOGPS - ref) * MASK / 5)
 
@@ -187,14 +240,22 @@ def test_grpo_loss_cispo():
     per_token = [[-w * a * lp for w, lp in zip(w_row, lp_row)]
                  for w_row, lp_row, a in zip(weights, LOGPS.tolist(), (1, -2))]
     logps = LOGPS.clone().requires_grad_(True)
-    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, "cispo", 0.2, 1.1)
+    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, loss_cfg("cispo", 0.2, 1.1))
     assert close(loss.detach(), (sum(per_token[0]) + per_token[1][0] + per_token[1][1]) / 5)
     # capped where r > 1.1 and A > 0 (row 0, t0): TRL's cispo clip ratio; nothing is clipped low
     assert close(stats["clip_ratio/high"], 1 / 5) and close(stats["clip_ratio/low"], 0.0)
     loss.backward()  # no gradient through the weight: d/dlogp_t = -w_t A / 5, on every token
     assert torch.allclose(logps.grad, -torch.tensor(weights) * ADV[:, None] * MASK / 5)
-    global_loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "cispo", 0.2, 1.1, global_count=10)
+    global_loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("cispo", 0.2, 1.1), global_count=10)
     assert close(global_loss * 10, loss.detach() * 5)  # normalised by the global batch's tokens
+    # a bare --loss_type cispo (epsilon_high 0): the cap is CISPO_CAP = 5, over every ratio here
+    # (e^0.2 = 1.22 at most), so the weights are the ratios themselves and nothing is capped
+    assert gc.CISPO_CAP == 5.0
+    uncapped = [[-r * a * lp for r, lp in zip(r_row, lp_row)]
+                for r_row, lp_row, a in zip(RATIOS, LOGPS.tolist(), (1, -2))]
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("cispo"))
+    assert close(loss, (sum(uncapped[0]) + uncapped[1][0] + uncapped[1][1]) / 5)
+    assert close(stats["clip_ratio/high"], 0.0)
 
 
 def test_grpo_loss_sapo():
@@ -203,11 +264,11 @@ def test_grpo_loss_sapo():
         return 4 / tau / (1 + math.exp(-tau * (r - 1)))
     row0 = [-gate(r, 1.0) * 1 for r in RATIOS[0]]
     row1 = [gate(r, 1.05) * 2 for r in RATIOS[1][:2]]
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "sapo")
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("sapo"))
     assert close(loss, (sum(row0) / 3 + sum(row1) / 2) / 2)
     # at r = 1 the gate's slope is 1: on-policy, its gradient is the policy gradient of grpo
     logps = LOGPS.clone().requires_grad_(True)
-    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, "sapo", sapo_temperature_neg=2.0)
+    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, loss_cfg("sapo", sapo_temperature_neg=2.0))
     loss.backward()
     assert torch.allclose(logps.grad, -ADV[:, None] * MASK / MASK.sum(1, keepdim=True) / 2)
 
@@ -215,20 +276,15 @@ def test_grpo_loss_sapo():
 def test_grpo_loss_gradient_is_policy_gradient_on_policy():
     # with old = logp (num_iterations = 1) the bnpo gradient w.r.t. logp_t is -A_t m_t / sum(m)
     logps = LOGPS.clone().requires_grad_(True)
-    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, "bnpo")
+    loss, _ = gc.grpo_loss(logps, logps.detach(), ADV, MASK, loss_cfg("bnpo"))
     loss.backward()
     assert torch.allclose(logps.grad, -ADV[:, None] * MASK / 5)
 
 
 def test_grpo_loss_is_weights():
     w = torch.tensor([[2.0], [0.0]])  # sequence-level: row 1 masked out by its weight
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", is_weights=w)
+    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo"), is_weights=w)
     assert close(loss, 2 * sum(ROW0) / 5)
-
-
-def test_grpo_loss_dr_grpo_needs_length():
-    with pytest.raises(ValueError):
-        gc.grpo_loss(LOGPS, OLD, ADV, MASK, "dr_grpo")
 
 
 # GSPO: one ratio per sequence, exp of the mean masked log ratio. Row 0: mean(0.2, -0.5, 0) = -0.1, r = e^-0.1,
@@ -240,13 +296,14 @@ SEQ_R0, SEQ_R1 = math.exp(-0.1), math.exp(-0.15)
 
 def test_grpo_loss_sequence_level_gspo():
     logps = LOGPS.clone().requires_grad_(True)
-    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, "grpo", 0.05, 0.05, importance_sampling_level="sequence")
+    gspo = loss_cfg("grpo", 0.05, 0.05, importance_sampling_level="sequence")
+    loss, stats = gc.grpo_loss(logps, OLD, ADV, MASK, gspo)
     assert close(loss.detach(), (-SEQ_R0 + 1.9) / 2)  # per-sequence means: every token of a row has the same loss
     assert close(stats["clip_ratio/low"], 2 / 5) and close(stats["clip_ratio/high"], 0.0)
     loss.backward()  # d/dlogp_t of -r A / 2 (grpo: mean of 2 sequences) = -A r / n_tokens / 2, shared by the row
     assert torch.allclose(logps.grad, torch.tensor([[-SEQ_R0 / 6] * 3, [0.0, 0.0, 0.0]]))
-    token, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", 0.05, 0.05)  # the token level differs
-    seq, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", 0.05, 0.05, importance_sampling_level="sequence")
+    token, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo", 0.05, 0.05))  # the token level differs
+    seq, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo", 0.05, 0.05, importance_sampling_level="sequence"))
     assert close(seq, (-3 * SEQ_R0 + 2 * 1.9) / 5) and not close(token, seq)
 
 
@@ -255,37 +312,85 @@ ENTROPY = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.1, 9.0]])
 
 
 def test_grpo_loss_top_entropy_tokens_only():
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_threshold=1.0)
+    keep = (ENTROPY >= 1.0).float()  # what train_step passes for a threshold of 1.0
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo"), keep=keep)
     # the policy term of the 3 kept tokens, still / 5 tokens: -0.0013, from O(1) terms that cancel
     # (fp32 rounding: an absolute tolerance)
     assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5, atol=1e-6)
     assert close(stats["clip_ratio/low"], 0.2)  # the stats still count every token, as TRL's
 
 
-def test_grpo_loss_entropy_bonus():
-    entropy = ENTROPY.clone().requires_grad_(True)
-    loss, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=entropy, entropy_coef=0.1)
-    assert close(loss.detach(), (MASKED_SUM - 0.1 * (0.5 + 2.0 + 1.0 + 3.0 + 0.1)) / 5)  # normalised like the loss
-    loss.backward()
-    assert torch.allclose(entropy.grad, -0.1 * MASK / 5)  # a gradient that raises the entropy, masked tokens none
-    with_mask, _ = gc.grpo_loss(LOGPS, OLD, ADV, MASK, "bnpo", entropy=ENTROPY, entropy_coef=0.1, entropy_threshold=1.0)
-    bonus = 0.1 * (2.0 + 1.0 + 3.0) / 3  # the mean entropy of the 3 kept tokens, as TRL
-    assert close(with_mask, (ROW0[1] + ROW0[2] + ROW1[0]) / 5 - bonus)
+def train_step_gradients(cfg, batch, budget=BUDGET):
+    """The gradients that train_step steps with, on a fresh tiny Llama wrapped as the trainer wraps
+    it (its entropy carries a gradient with --entropy_coef); the optimizer stand-in keeps them."""
+    env = cpu_env()
+    policy = gc.wrap_policy(tiny_llama(), env, cfg, False)
+    optimizer = StepGradients(policy)
+    stats = gc.train_step(policy, optimizer, NO_SCHEDULE, batch, cfg, env, budget, {}, 1)
+    return optimizer.grads, stats
+
+
+def entropy_bonus_by_hand(batch, budget, coef, rho=1.0, per_micro_batch=True):
+    """The gradient of -bonus on a fresh tiny Llama, TRL's bonus: coef x the mean entropy of each
+    micro-batch's learning tokens (its loss tokens, of the top rho by entropy) / the M micro-batches.
+    per_micro_batch=False: one mean over all the batch's learning tokens instead."""
+    policy = gc.Policy(tiny_llama(), entropy_grad=True)
+    cuts = gc.split_micro_batches([len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)], budget)
+    sums, counts = [], []
+    for seqs in cuts:
+        mb = gc.micro_batch(batch, seqs, "cpu")
+        _, entropy = policy(*mb.packed, mb.model_mask, 1.0)  # [b, T]
+        keep = torch.ones_like(entropy)
+        if rho < 1:
+            keep = (entropy >= gc.entropy_quantile(entropy, mb.loss_mask, 1 - rho, world=1)).float()
+        sums.append((entropy * keep * mb.loss_mask).sum())
+        counts.append((keep * mb.loss_mask).sum())
+    if per_micro_batch:
+        bonus = coef * sum(s / n for s, n in zip(sums, counts)) / len(cuts)
+    else:
+        bonus = coef * sum(sums) / sum(counts)
+    return torch.autograd.grad(-bonus, list(policy.parameters()))
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo"])  # normalised by tokens, sequences, micro-batch
+def test_train_step_entropy_bonus_is_trls(loss_type):
+    """--entropy_coef c, as TRL (issue 36 item 1): train_step backpropagates loss x loss_scale - bonus,
+    bonus = c x the mean entropy of the micro-batch's loss tokens / M micro-batches, outside the
+    loss's normaliser whatever the loss type. Budget 5: the sequences of 2 + 3 and 1 + 2 tokens are
+    2 micro-batches, of 3 and 2 loss tokens, so TRL's mean of means (H1 / 3 + H2 / 2) / 2 differs from
+    one mean (H1 + H2) / 5. The policy term is the same with or without the bonus (the entropy only
+    changes it through --top_entropy_quantile): the gradients differ by the bonus's alone."""
+    batch = train_batch([[1, 2], [3]], [[4, 5, 6], [7, 8]], [1.0, -1.0])
+    flags = dict(loss_type=loss_type, max_grad_norm=0.0, vllm_importance_sampling_correction=False)  # no clipping
+    without, _ = train_step_gradients(gc.Config(**flags), batch, budget=5)
+    with_bonus, stats = train_step_gradients(gc.Config(entropy_coef=0.1, **flags), batch, budget=5)
+    assert stats["skipped"] == 0.0 and any(g.abs().max() > 0 for g in without)  # a policy gradient too
+    want = entropy_bonus_by_hand(batch, 5, 0.1)
+    scale = max(w.abs().max().item() for w in want)  # 1.4e-3
+    # within 1e-3 of the largest entry (4e-7 measured: fp32 noise of the policy term, which cancels)
+    assert max((a - b - w).abs().max().item() for a, b, w in zip(with_bonus, without, want)) <= 1e-3 * scale
+    one_mean = entropy_bonus_by_hand(batch, 5, 0.1, per_micro_batch=False)
+    assert max((w - o).abs().max().item() for w, o in zip(want, one_mean)) > 0.1 * scale  # 2.7e-4: told apart
 
 
 def test_entropy_bonus_with_top_entropy_quantile_is_the_kept_tokens_mean():
     # H = 1..5, rho 0.2: the 0.8-quantile is 4.2, so only H = 5 is kept. TRL's bonus is the mean
-    # over the kept tokens, -5 c; divided by all 5 tokens it would be -1 c. (Advantages 0: no policy
-    # term.)
+    # over the kept tokens, -5 c; divided by all 5 tokens it would be -1 c.
     entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
     mask = torch.ones(1, 5)
     threshold = gc.entropy_quantile(entropy, mask, 1 - 0.2, world=1)
     assert close(threshold, 4.2)
-    logps = torch.zeros(1, 5)
+    # through train_step, on 5 loss tokens of the tiny Llama with advantages 0 (no policy term: the
+    # gradient is the bonus's alone): rho 0.2 keeps the token of the highest entropy, and the bonus
+    # is c x its entropy (its mean over the 1 kept token), not c x its entropy / 5
+    batch = train_batch([[1, 2]], [[3, 4, 5, 6, 7]], [0.0])
     for loss_type in ("dapo", "bnpo"):
-        loss, _ = gc.grpo_loss(logps, logps, torch.zeros(1), mask, loss_type, entropy=entropy,
-                               entropy_coef=0.1, entropy_threshold=threshold)
-        assert close(loss, -0.5)
+        cfg = gc.Config(loss_type=loss_type, entropy_coef=0.1, top_entropy_quantile=0.2, max_grad_norm=0.0,
+                        vllm_importance_sampling_correction=False)
+        got, _ = train_step_gradients(cfg, batch)
+        want = entropy_bonus_by_hand(batch, BUDGET, 0.1, rho=0.2)
+        assert all(torch.allclose(g, w, rtol=1e-4, atol=1e-8) for g, w in zip(got, want)), loss_type
+        assert not all(torch.allclose(g, w / 5, rtol=1e-4, atol=1e-8) for g, w in zip(got, want))
 
 
 def test_entropy_quantile_one_rank():
@@ -322,7 +427,7 @@ def test_importance_weights_ignore_a_nan_vllm_logprob():
     assert torch.allclose(got, torch.tensor([[math.exp(0.5), 1.0], [1.0, 1.0]]))
     got = gc.vllm_importance_weights(TRAINER, vllm, IS_MASK, "sequence_truncate", clip_max=3.0)
     assert torch.allclose(got, torch.tensor([[math.exp(0.5)], [1.0]]))
-    loss, _ = gc.grpo_loss(LOGPS[:, :2], LOGPS[:, :2], ADV, IS_MASK, is_weights=got)
+    loss, _ = gc.grpo_loss(LOGPS[:, :2], LOGPS[:, :2], ADV, IS_MASK, loss_cfg(), is_weights=got)
     assert torch.isfinite(loss)
 
 
@@ -335,12 +440,18 @@ def test_importance_weights_uncapped_value():
 # logprobs: chunked == full log_softmax (values and gradients); the Policy forward on a padded batch
 # ------------------------------------------------------------------------------------------------------------
 
+def chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0):
+    """(logps, entropies) [N] of the tokens of hidden [N, H] for targets [N]: gc.TokenLogprobs, what
+    Policy runs (its entropy carries a gradient; Policy detaches it without --entropy_coef)."""
+    return gc.TokenLogprobs.apply(hidden, weight, targets, temperature, top_k, top_p, chunk_size)
+
+
 def test_chunked_logprobs_match_full_softmax():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(11, 5, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 11, (7,), generator=g)
-    lp, ent = gc.chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=3)
+    lp, ent = chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=3)
     logits = hidden @ weight.T / 0.7
     ref = logits.log_softmax(-1)
     ref_lp = ref.gather(-1, targets[:, None])[:, 0]
@@ -349,12 +460,18 @@ def test_chunked_logprobs_match_full_softmax():
     (g1h, g1w) = torch.autograd.grad(lp.sum(), (hidden, weight))
     (g2h, g2w) = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
     assert torch.allclose(g1h, g2h, atol=1e-6) and torch.allclose(g1w, g2w, atol=1e-6)
-    assert not ent.requires_grad  # the entropy is only logged unless --entropy_coef needs its gradient
-    lp, ent = gc.chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=3, entropy_grad=True)
+    lp, ent = chunked_logprobs(hidden, weight, targets, temperature=0.7, chunk_size=3)
     (g1h,) = torch.autograd.grad(ent.sum(), (hidden,))
     ref = (hidden @ weight.T / 0.7).log_softmax(-1)  # a fresh graph: the first one was freed
     (g2h,) = torch.autograd.grad(-(ref.exp() * ref).sum(), (hidden,))
     assert torch.allclose(g1h, g2h, atol=1e-5)  # the chunk computes in fp32
+    # the entropy is only logged (or ranks tokens) unless --entropy_coef needs its gradient:
+    # wrap_policy gives Policy's entropy a gradient then only
+    packed = gc.pack(PROMPTS, COMPLETIONS, completion_mask_of(COMPLETIONS))
+    for coef in (0.0, 0.1):
+        policy = gc.wrap_policy(tiny_llama(), cpu_env(), gc.Config(entropy_coef=coef), False)
+        logps, entropy = policy(*packed, completion_mask_of(COMPLETIONS), 1.0)
+        assert logps.requires_grad and entropy.requires_grad == (coef != 0), coef
 
 
 @pytest.mark.parametrize("device", [
@@ -379,8 +496,7 @@ def test_compiled_logprobs_match_the_definition(device, monkeypatch):
         targets = torch.randint(0, 300, (rows,), generator=g)  # [N]
         h = hidden.to(device).requires_grad_(True)
         w = weight.to(device).requires_grad_(True)
-        logps, entropy = gc.chunked_logprobs(h, w, targets.to(device), 0.7, 16, top_k, top_p,
-                                             entropy_grad=True)
+        logps, entropy = chunked_logprobs(h, w, targets.to(device), 0.7, 16, top_k, top_p)
         got = [logps, entropy, *torch.autograd.grad(logps.sum() + entropy.sum(), (h, w))]
         # the definition, in float64: log softmax over the kept set (and the target); the entropy
         # of the full distribution
@@ -414,10 +530,10 @@ def test_top_k_top_p_logprobs_by_hand(probs, top_k, top_p, kept, target, logp):
     logits = torch.tensor([probs]).log() * 0.5  # temperature 0.5 undoes the 0.5: filtering sees the scaled logits
     assert gc.top_k_top_p_mask(logits / 0.5, top_k, top_p).int().tolist() == [kept]
     hidden = logits.clone().requires_grad_(True)  # weight = identity: logits = hidden
-    lp, ent = gc.chunked_logprobs(hidden, torch.eye(4), torch.tensor([target]), 0.5, 1, top_k, top_p)
+    lp, ent = chunked_logprobs(hidden, torch.eye(4), torch.tensor([target]), 0.5, 1, top_k, top_p)
     assert close(lp.detach(), logp)
     full = torch.tensor([probs]) / sum(probs)
-    assert close(ent, -(full * full.log()).sum())  # the logged entropy is the full distribution's
+    assert close(ent.detach(), -(full * full.log()).sum())  # the logged entropy is the full distribution's
     lp.sum().backward()
     assert torch.isfinite(hidden.grad).all() and (hidden.grad[0][torch.tensor(kept) == 0] == 0).all()
 
@@ -431,7 +547,7 @@ def test_top_k_top_p_mask_matches_vllm():
                                         torch.full((16,), p) if p < 1 else None)
         assert torch.equal(gc.top_k_top_p_mask(logits, k, p), ref > -math.inf), (k, p)
     # a sampled token the trainer's own filter leaves out (bf16 noise at the boundary) still gets a finite logp
-    lp, _ = gc.chunked_logprobs(torch.tensor([[2.0, 1.0, 0.0]]), torch.eye(3), torch.tensor([2]), 1.0, 4, 1, 1.0)
+    lp, _ = chunked_logprobs(torch.tensor([[2.0, 1.0, 0.0]]), torch.eye(3), torch.tensor([2]), 1.0, 4, 1, 1.0)
     assert close(lp, -math.log(math.e ** 2 + 1))
 
 
@@ -477,22 +593,23 @@ PROMPTS, COMPLETIONS = [[5, 6, 7], [8, 9], [4]], [[10, 11], [12, 13, 14], []]  #
 
 
 def test_pack():
-    input_ids, position_ids, cu_seqlens, longest, completion_index = gc.pack(PROMPTS, COMPLETIONS)
+    mask = completion_mask_of(COMPLETIONS)
+    assert mask.tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]  # every completion token scored
+    input_ids, position_ids, cu_seqlens, longest, completion_index = gc.pack(PROMPTS, COMPLETIONS, mask)
     assert input_ids.tolist() == [[5, 6, 7, 10, 11, 8, 9, 12, 13, 14, 4]]  # one row, no padding
     assert position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0]]  # restarting at every sequence
     assert cu_seqlens.tolist() == [0, 5, 10, 11] and cu_seqlens.dtype == torch.int32 and longest == 5
     assert completion_index.tolist() == [3, 4, 7, 8, 9]
-    assert gc.completion_mask_of(COMPLETIONS).tolist() == [[1, 1, 0], [1, 1, 1], [0, 0, 0]]
 
 
 def test_tool_tokens_are_packed_but_not_scored():
-    # completion 1: a model token, a tool result's token (13), a model token (completion_mask)
+    # completion 1: a model token, a tool result's token (13), a model token (model_mask)
     mask = torch.tensor([[1, 1, 0], [1, 0, 1], [0, 0, 0]])
-    input_ids, _, _, _, completion_index = gc.pack(PROMPTS, COMPLETIONS, scored=mask)
+    input_ids, _, _, _, completion_index = gc.pack(PROMPTS, COMPLETIONS, mask)
     assert input_ids.tolist() == [[5, 6, 7, 10, 11, 8, 9, 12, 13, 14, 4]]  # 13 is read...
     assert completion_index.tolist() == [3, 4, 7, 9]  # ...but not scored
     lm = tiny_llama()
-    logps, entropy = gc.Policy(lm)(*gc.pack(PROMPTS, COMPLETIONS, scored=mask), mask, 1.0)
+    logps, entropy = gc.Policy(lm)(*gc.pack(PROMPTS, COMPLETIONS, mask), mask, 1.0)
     full = lm(torch.tensor([[8, 9, 12, 13, 14]])).logits[0].log_softmax(-1)
     want = torch.stack([full[1, 12], torch.tensor(0.0), full[3, 14]])
     assert torch.allclose(logps[1], want, atol=1e-5)
@@ -501,8 +618,8 @@ def test_tool_tokens_are_packed_but_not_scored():
 
 def check_packed_logps(lm, attention_lm=None, atol=2e-3, device="cpu"):
     """The packed forward of (attention_lm or lm) == every sequence run alone through lm, unpacked to [B, T]."""
-    mask = gc.completion_mask_of(COMPLETIONS).to(device)
-    logps, _ = gc.Policy(attention_lm or lm)(*gc.pack(PROMPTS, COMPLETIONS, device), mask, 1.0)
+    mask = completion_mask_of(COMPLETIONS).to(device)
+    logps, _ = gc.Policy(attention_lm or lm)(*gc.pack(PROMPTS, COMPLETIONS, mask, device), mask, 1.0)
     for i, (p, c) in enumerate(zip(PROMPTS, COMPLETIONS)):
         full = lm(torch.tensor([p + c], device=device)).logits[0].log_softmax(-1)
         want = [full[len(p) - 1 + t, tok].item() for t, tok in enumerate(c)]
@@ -573,10 +690,10 @@ def test_varlen_kernel_matches_sdpa_on_a_packed_batch(tiny_model):
     varlen = gc.load_lm(path, "cuda", "varlen")
     sdpa = gc.load_lm(path, "cuda")
     check_packed_logps(sdpa, varlen, atol=1e-2, device="cuda")
-    mask = gc.completion_mask_of(COMPLETIONS).cuda()
+    mask = completion_mask_of(COMPLETIONS).cuda()
     grads = []
     for lm in (varlen, sdpa):
-        logps, _ = gc.Policy(lm)(*gc.pack(PROMPTS, COMPLETIONS, "cuda"), mask, 1.0)
+        logps, _ = gc.Policy(lm)(*gc.pack(PROMPTS, COMPLETIONS, mask, "cuda"), mask, 1.0)
         grads.append(torch.autograd.grad((logps * mask).sum(), list(lm.parameters())))
     # packed sdpa is exact (the CPU test above): the kernel's gradients agree within bf16 noise
     for a, b in zip(*grads):
@@ -603,75 +720,122 @@ def test_split_micro_batches():
     assert len(gc.split_micro_batches(lengths, 10, 6)) == 6
 
 
-def test_memory_plan(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * 2**30))  # an 80 GiB GPU
-    lm = SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28),  # the Qwen2.5-1.5B shape
-                         parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
-    env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True, engine_bytes=0)
+QWEN15 = SimpleNamespace(hidden_size=1536, num_hidden_layers=28)  # the Qwen2.5-1.5B shape
+N15 = 1_543_714_304  # its parameters
+GiB = 1 << 30
 
-    def plan(env=env, **flags):  # (budget, checkpointing); sleep: test_auto_sleep_*
-        return gc.memory_plan(gc.Config(**flags), lm, env)[:2]
-    room = 0.85 * 80 * 2**30 - 16 * 1_543_714_304  # 73.0 - 24.7 GB; 120 x 1536 x 28 = 5.16 MB per token
-    assert plan() == (int(room // (120 * 1536 * 28)), False) == (9361, False)
-    assert plan(max_tokens_per_microbatch=8192) == (8192, False)  # 42.3 GB fit
-    assert plan(max_tokens_per_microbatch=16384) == (16384, True)  # 84.6 GB do not
-    assert plan(beta=0.04) == (8165, False)  # + an fp32 reference: 4 more bytes per parameter
-    env.sleep, env.engine_bytes = False, 8 << 30  # an engine that stays awake: 8.6 GB less room
-    assert plan() == (7697, False)
-    assert plan(gradient_checkpointing="false", max_tokens_per_microbatch=16384) == (16384, False)
-    # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7.6e9 / 2 = 61 GB leave 12 GB, < 4096 tokens without checkpointing
-    lm7 = SimpleNamespace(config=SimpleNamespace(hidden_size=3584, num_hidden_layers=28),
-                          parameters=lambda: [torch.empty(7_615_616_512, device="meta")])
-    env7 = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=2, sleep=True, engine_bytes=0)
-    room7 = 0.85 * 80 * 2**30 - 8 * 7_615_616_512
-    budget7, checkpointing7, _ = gc.memory_plan(gc.Config(fsdp=True), lm7, env7)
-    assert (budget7, checkpointing7) == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True)
-    cpu = SimpleNamespace(device=torch.device("cpu"), sleep=False)
-    assert gc.memory_plan(gc.Config(gradient_checkpointing="true"), lm, cpu) == (8192, True, False)
-    assert plan(cpu, max_tokens_per_microbatch=600) == (600, False)  # auto: off on the CPU
+
+def test_memory_plan(monkeypatch):
+    """memory_plan's rules (issue 33): per parameter 16 bytes (+4 for beta's reference; LoRA 4; / world
+    under FSDP2; 0 offloaded), room = 0.85 x the GPU - those, 120 x hidden x layers bytes per token
+    (checkpointed: 4 x hidden x layers + 120 x hidden), checkpointing where your budget, or 4,096
+    tokens, would not fit; a CPU plans in its share of the RAM beside an engine that stays awake."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))  # an 80 GiB GPU
+    gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)  # engine_bytes 0 for now
+
+    def plan(env=gpu, shape=QWEN15, params=N15, **flags):  # (tokens, checkpointing, sleep)
+        p = gc.memory_plan(gc.Config(**flags), env, shape, params)
+        return p.tokens, p.checkpointing, p.sleep
+    # room = 0.85 x 80 GiB - 16 x 1,543,714,304 = 73,014,444,032 - 24,699,428,864 = 48,315,015,168 bytes;
+    # 120 x 1536 x 28 = 5,160,960 bytes per token: 9,361 tokens. An engine of 0 bytes leaves as much
+    # room awake: as many micro-batches, so the engine stays awake
+    room = 0.85 * 80 * GiB - 16 * N15
+    assert plan() == (int(room // (120 * 1536 * 28)), False, False) == (9361, False, False)
+    assert plan(max_tokens_per_microbatch=8192) == (8192, False, False)  # 42.3 GB fit
+    assert plan(max_tokens_per_microbatch=16384) == (16384, True, False)  # 84.6 GB do not
+    # + an fp32 reference, 20 bytes per parameter: 73,014,444,032 - 30,874,286,080 = 42,140,157,952 bytes
+    assert plan(beta=0.04) == (8165, False, False)
+    # LoRA, 4 bytes per parameter (the frozen fp32 base): 66,839,586,816 bytes // 5,160,960 = 12,950
+    assert plan(use_peft=True) == (12950, False, False)
+    # an engine of 8 GiB: 39,725,080,576 bytes beside it, 7,697 tokens. A batch of 128 x (256 + 256)
+    # = 65,536 tokens takes ceil(65,536 / 7,697) = 9 micro-batches awake, ceil(65,536 / 9,361) = 8
+    # asleep: auto sleeps, with the asleep budget
+    gpu.engine_bytes = 8 * GiB
+    assert plan() == (9361, False, True)
+    assert plan(vllm_enable_sleep_mode="false") == (7697, False, False)  # awake: the room beside it
+    assert plan(vllm_enable_sleep_mode="false", gradient_checkpointing="false",
+                max_tokens_per_microbatch=16384) == (16384, False, False)
+    # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7,615,616,512 / 2 = 60.9 GB leave 12,089,511,936
+    # bytes, < 4,096 x 120 x 3584 x 28 = 49.3 GB: checkpointed, 4 x 3584 x 28 + 120 x 3584 = 831,488
+    # bytes per token: 14,539 tokens
+    qwen7, n7 = SimpleNamespace(hidden_size=3584, num_hidden_layers=28), 7_615_616_512
+    fsdp2 = cpu_env(device=SimpleNamespace(type="cuda"), world=2, local_world=2, dtype=torch.bfloat16)
+    room7 = 0.85 * 80 * GiB - 8 * n7
+    assert plan(fsdp2, qwen7, n7, fsdp=True) == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True, False)
+    assert plan(fsdp2, qwen7, n7, fsdp=True)[0] == 14539
+    # offloaded (0 bytes per parameter): 73,014,444,032 // (120 x 3584 x 28 = 12,042,240) = 6,063 tokens
+    assert plan(fsdp2, qwen7, n7, fsdp=True, fsdp_cpu_offload=True) == (6063, False, False)
+    # on one GPU the 7B's 122 GB of weights, gradients and AdamW leave no room: refused by flag
+    with pytest.raises(gc.ConfigError, match="^--max_completion_length: a sequence of 512 tokens needs"):
+        plan(gpu, qwen7, n7)
+
+    # a CPU: this process's share of 32 GiB of RAM (2 processes) less 2 GiB, 15,032,385,536 bytes; 85%
+    # of it, less 16 x 134,515,008 (SmolLM2-135M's shape) and the engine, awake: its KV cache
+    # max_num_seqs 128 x 512 tokens x (2 x 30 layers x 3 KV heads x 64 x 4 bytes = 46,080) =
+    # 3,019,898,880 bytes + its fp32 weights 4 x 134,515,008: room 7,067,328,665.6 bytes
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 32 * GiB // 4096}[name])
+    smol = SimpleNamespace(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64)
+    n135, cpu = 134_515_008, cpu_env(local_world=2)
+    room_cpu = 0.85 * (16 * GiB - 2 * GiB) - 16 * n135 - (128 * 512 * 46_080 + 4 * n135)
+    # 180 x 576 x 30 = 3,110,400 bytes per token: 4,096 tokens (12.7 GB) do not fit, so auto
+    # checkpoints, 4 x 576 x 30 + 180 x 576 = 172,800 bytes per token
+    assert plan(cpu, smol, n135) == (int(room_cpu // 172_800), True, False) == (40898, True, False)
+    assert plan(cpu, smol, n135, gradient_checkpointing="false") == (int(room_cpu // 3_110_400), False, False)
+    assert plan(cpu, smol, n135, gradient_checkpointing="false")[0] == 2272
+    assert plan(cpu, smol, n135, max_tokens_per_microbatch=600) == (600, False, False)  # 1.9 GB fit: off
 
 
 def test_auto_sleep_from_the_planned_peak(monkeypatch):
     """Sleep mode auto decides from memory_plan's planned peak (parameters + a full token budget),
-    never from a short first step: the engine stays awake only where the budget fits beside it,
-    and the budget is then sized for the room beside it. Issue 29's example: 0.5B on 80 GiB."""
-    GiB = 1 << 30
+    never from a short first step: the engine stays awake only where 4,096 tokens (or your budget)
+    fit beside it AND the smaller budget awake cuts the batch into no more micro-batches than the
+    budget asleep (issue 33); the budget is then sized for the room beside it. Issue 29's example:
+    0.5B on 80 GiB."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
-    lm05 = SimpleNamespace(config=SimpleNamespace(hidden_size=896, num_hidden_layers=24),  # 0.5B
-                           parameters=lambda: [torch.empty(494_032_768, device="meta")])
-    engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_distributed's share: 26 GiB
-    env = SimpleNamespace(device=SimpleNamespace(type="cuda"), world=1, sleep=True,
-                          engine_bytes=engine)
-    per_token = 120 * 896 * 24  # 2.58 MB
-    room = 0.85 * 80 * GiB - 16 * 494_032_768  # 65.1 GB: 25,231 tokens with the engine asleep
-    cfg = gc.Config(num_generations=8, per_device_train_batch_size=32,
-                    gradient_accumulation_steps=1, max_completion_length=1024)  # 32 x 1,024 tokens
-    budget, checkpointing, sleep = gc.memory_plan(cfg, lm05, env)
-    assert (budget, checkpointing, sleep) == (int((room - engine) // per_token), False, False)
-    assert budget == 14413
-    assert 16 * 494_032_768 + budget * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
-    # a budget of yours that fits only while the engine sleeps keeps it asleep; so does "true"
-    yours = gc.Config(max_tokens_per_microbatch=20_000)
-    assert gc.memory_plan(yours, lm05, env) == (20_000, False, True)
-    asleep = gc.Config(vllm_enable_sleep_mode="true")
-    assert gc.memory_plan(asleep, lm05, env) == (25231, False, True)
-    # the Qwen2.5-1.5B shape: under 4,096 tokens beside the engine, so it sleeps (as on an H100)
-    lm15 = SimpleNamespace(config=SimpleNamespace(hidden_size=1536, num_hidden_layers=28),
-                           parameters=lambda: [torch.empty(1_543_714_304, device="meta")])
-    assert gc.memory_plan(gc.Config(), lm15, env) == (9361, False, True)
-    env.sleep = False  # --vllm_enable_sleep_mode false: the room beside the engine, however small
-    assert gc.memory_plan(gc.Config(), lm15, env)[2] is False
+    qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
+    engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_env's engine_bytes: 26 GiB
+    env = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, engine_bytes=engine)
+    per_token = 120 * 896 * 24  # 2,580,480 bytes
+    asleep = 0.85 * 80 * GiB - 16 * n05  # 65,109,919,744 bytes: 25,231 tokens
+    awake = asleep - engine  # 37,192,632,320 bytes: 14,413 tokens
+
+    def plan(shape=qwen05, params=n05, **flags):  # (tokens, checkpointing, sleep, why)
+        cfg = gc.Config(**{"num_generations": 8, "gradient_accumulation_steps": 1,
+                           "max_completion_length": 1024, **flags})  # sequences of <= 256 + 1,024 tokens
+        p = gc.memory_plan(cfg, env, shape, params)
+        return p.tokens, p.checkpointing, p.sleep, p.why
+    # 8 completions, <= 8 x 1,280 = 10,240 tokens: 1 micro-batch awake as asleep, so it stays awake
+    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (14413, False, False)
+    assert 16 * n05 + 14413 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
+    # issue 29's 32 completions: 40,960 tokens, ceil(40,960 / 14,413) = 3 micro-batches awake,
+    # ceil(40,960 / 25,231) = 2 asleep: the sleep and wake cost less than a third micro-batch
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=32)
+    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (25231, False, True)
+    assert "awake would cut 3 micro-batches, not 2" in why
+    # a budget of yours that fits only while the engine sleeps (20,000 x 2.58 MB = 51.6 GB > 37.2 GB)
+    # keeps it asleep; so does "true"
+    assert plan(per_device_train_batch_size=8, max_tokens_per_microbatch=20_000)[:3] == (20_000, False, True)
+    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (25231, False, True)
+    # the Qwen2.5-1.5B shape: 48,315,015,168 - 27,917,287,424 = 20,397,727,744 bytes beside the engine,
+    # under 4,096 x 5,160,960 = 21,139,292,160: it sleeps (as on an H100)
+    assert gc.memory_plan(gc.Config(), env, QWEN15, N15).sleep is True
+    assert gc.memory_plan(gc.Config(), env, QWEN15, N15).tokens == 9361
+    # --vllm_enable_sleep_mode false: the room beside the engine, however small; 4,096 tokens do not
+    # fit there, so checkpointed: 4 x 1536 x 28 + 120 x 1536 = 356,352 bytes per token, 57,240 tokens
+    p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
+    assert (p.tokens, p.checkpointing, p.sleep) == (57240, True, False)
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
-    completion_mask = gc.completion_mask_of(COMPLETIONS)
-    batch = gc.SimpleNamespace(prompt_ids=PROMPTS, completion_ids=COMPLETIONS, completion_mask=completion_mask,
-                               loss_mask=completion_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
-                               old_logps=torch.ones(3, 3), ref_logps=None)
+    model_mask = completion_mask_of(COMPLETIONS)
+    batch = SimpleNamespace(prompt_ids=PROMPTS, completion_ids=COMPLETIONS, model_mask=model_mask,
+                            loss_mask=model_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
+                            old_logps=torch.ones(3, 3), ref_logps=None)
     mb = gc.micro_batch(batch, range(0, 1), "cpu")
     assert [getattr(x, "tolist", lambda: x)() for x in mb.packed] == [[[5, 6, 7, 10, 11]], [[0, 1, 2, 3, 4]], [0, 5],
                                                                       5, [3, 4]]
-    assert mb.completion_mask.tolist() == [[1, 1]] and mb.old_logps.shape == (1, 2)  # T: its longest completion
+    assert mb.model_mask.tolist() == [[1, 1]] and mb.old_logps.shape == (1, 2)  # T: its longest completion
     mb = gc.micro_batch(batch, range(1, 3), "cpu")
     assert mb.packed[1].tolist() == [[0, 1, 2, 3, 4, 0]] and mb.advantages.tolist() == [1.0, 2.0]
 
@@ -703,37 +867,55 @@ def test_rows_for_step_takes_a_global_slice_whatever_the_world_size():
     assert gc.rows_for_step(rows, 6, 1, 3, seed=0) == two[1]  # a pure function of (position, rank, size, seed)
 
 
-def test_check_distinct_shards_sees_positions_not_prompts(monkeypatch):
-    def world_of(*everyone):  # what the all_gather would return on each rank
-        monkeypatch.setattr(gc.dist, "all_gather_object", lambda out, _: out.__setitem__(slice(None), everyone))
-        return SimpleNamespace(world=len(everyone))
-    rows = [{"prompt": "the only prompt"}]  # a one-prompt task: every rank gets the same prompt, legitimately
-    shards = [gc.rows_for_step(rows, 0, r, 2, seed=0) for r in range(2)]
-    assert shards[0][1] == shards[1][1]
-    gc.check_distinct_shards(shards[0][0], world_of(*(list(p) for p, _ in shards)))
-    with pytest.raises(RuntimeError, match="same data positions"):  # a partial overlap
-        gc.check_distinct_shards([4, 5], world_of([4, 5], [5, 6]))
-
-
 def test_truncated_means_no_eos_as_in_trl():
     assert gc.is_truncated([5, 6, 7], "length", {2})  # cut off at max_completion_length
     assert not gc.is_truncated([5, 6, 2], "length", {2, 9})  # EOS was the last token allowed: it ended
     assert not gc.is_truncated([5, 9], "stop", {2, 9})
 
 
-def test_parity_probe_fits_the_engine(smol_tokenizer):
+class FirstPush(Exception):
+    """Ends run() at the engine's first push (test_parity_probe_fits_the_engine)."""
+
+
+def test_parity_probe_fits_the_engine(tiny_model, smol_tokenizer, tmp_path, monkeypatch):
+    """run's parity probe: the first eval prompt + "#### <answer>", cut to fit the engine's
+    max_model_len (max_prompt_length + max_completion_length) with a token to spare. Read from the
+    engine at its first push, which ends the run here (a stand-in engine: nothing generates)."""
     tok = smol_tokenizer
+    probes = []
+
+    def first_push(self, policy, step, ledger):
+        probes.append(self.probe_ids)
+        raise FirstPush
+    monkeypatch.setattr(gc, "make_engine", lambda *args: RecordingEngine())
+    monkeypatch.setattr(gc.ColocatedEngine, "wake_and_push", first_push)
+
+    def probe(row, max_prompt_length, max_completion_length):
+        cfg = gc.Config(model=tiny_model(), max_prompt_length=max_prompt_length, output_dir=str(tmp_path),
+                        max_completion_length=max_completion_length, reward_funcs=["reward_len"])
+        plan = SimpleNamespace(tokens=BUDGET, checkpointing=False, sleep=False, why="off")
+        with pytest.raises(FirstPush):
+            gc.run(cfg, cpu_env(), SimpleNamespace(model_config=None, data=(tok, [row], [row]), state=None,
+                                                   plan=plan))
+        return probes.pop()
     row = {"prompt_ids": list(range(100, 120)), "answer": "She sold 48 / 2 = 24 clips in May. " * 20 + "#### 72"}
-    probe = gc.parity_probe(tok, row, 20 + 16)  # a GSM8K-style worked solution; max_model_len 20 + 16
-    assert len(probe) == 35 and probe[:20] == row["prompt_ids"]
-    short = gc.parity_probe(tok, {"prompt_ids": [1, 2], "answer": "7"}, 36)
+    long = probe(row, 20, 16)  # a GSM8K-style worked solution; max_model_len 20 + 16
+    assert len(long) == 35 and long[:20] == row["prompt_ids"]
+    assert long[20:] == tok(f"#### {row['answer']}", add_special_tokens=False)["input_ids"][:15]
+    short = probe({"prompt_ids": [1, 2], "answer": "7"}, 20, 16)
     assert short == [1, 2] + tok("#### 7", add_special_tokens=False)["input_ids"]
 
 
-def test_metrics_line_is_strict_json():
-    line = gc.json_line({"step": 3, "grad_norm": float("nan"), "kl": float("inf"), "loss": 0.5})
-    assert "NaN" not in line and "Infinity" not in line
+def test_metrics_line_is_strict_json(tmp_path):
+    cfg = gc.Config(output_dir=str(tmp_path))
+    log = gc.make_logger(cfg, cpu_env())
+    log.write({"step": 3, "grad_norm": float("nan"), "kl": float("inf"), "loss": 0.5})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text()
+    assert line.count("\n") == 1 and "NaN" not in line and "Infinity" not in line
     assert json.loads(line) == {"step": 3, "grad_norm": None, "kl": None, "loss": 0.5}
+    gc.make_logger(cfg, cpu_env(rank=1, is_main=False)).write({"step": 3, "loss": 0.25})  # rank 0 writes alone
+    assert (tmp_path / "metrics.jsonl").read_text() == line
 
 
 def test_mfu_params_skip_the_input_embedding_but_count_the_lm_head():
@@ -760,28 +942,44 @@ def test_derive_seed_stable_and_distinct():
     assert len({gc.derive_seed(s, "rollout", 3, e) for s in range(3) for e in range(3)}) == 9
 
 
-def test_lr_schedules():
-    cfg = gc.Config(max_steps=10, warmup_steps=2, lr_scheduler_type="linear")
-    f = gc.lr_lambda(cfg)
-    assert [f(s) for s in (0, 1, 2, 6, 12)] == [0.0, 0.5, 1.0, 0.5, 0.0]  # HF's s / W: 0 at step 0
-    cfg.lr_scheduler_type = "cosine"
-    assert round(gc.lr_lambda(cfg)(6), 4) == 0.5
-    cfg.lr_scheduler_type = "constant"
-    assert gc.lr_lambda(cfg)(9) == 1.0
+def lr_factors(tiny_model, steps, **flags):
+    """The schedule of build_trainer's AdamW (transformers' get_scheduler) with --max_steps 10: the
+    rate of every parameter group after s scheduler steps, as a factor of --learning_rate, s <= 12."""
+    import warnings
+
+    cfg = gc.Config(model=tiny_model(), max_steps=10, learning_rate=1e-3, weight_decay=0.1, **flags)
+    trainer = gc.build_trainer(cfg, cpu_env(), SimpleNamespace(checkpointing=False), None)
+    factors = []
+    with warnings.catch_warnings():  # scheduler steps without optimizer steps: torch warns
+        warnings.simplefilter("ignore")
+        for _ in range(13):
+            rates = {group["lr"] / 1e-3 for group in trainer.optimizer.param_groups}
+            assert len(rates) == 1 and len(trainer.optimizer.param_groups) == 2  # decayed or not: one rate
+            factors.append(rates.pop())
+            trainer.scheduler.step()
+    return [round(factors[s], 4) for s in steps]
 
 
-def test_lr_schedules_without_warmup():
+def test_lr_schedules(tiny_model):
+    # warmup W = 2 (HF's s / W: 0 at step 0), then progress p = (s - 2) / 8
+    assert lr_factors(tiny_model, (0, 1, 2, 6, 12), warmup_steps=2) == [0.0, 0.5, 1.0, 0.5, 0.0]  # linear
+    assert lr_factors(tiny_model, (6,), warmup_steps=2, lr_scheduler_type="cosine") == [0.5]
+    # constant: HF's constant_with_warmup
+    assert lr_factors(tiny_model, (0, 1, 9), warmup_steps=2, lr_scheduler_type="constant") == [0.0, 0.5, 1.0]
+
+
+def test_lr_schedules_without_warmup(tiny_model):
     # progress p = s / 10: linear 1 - p, cosine (1 + cos(pi p)) / 2 (0.9045 at p = 0.2, where linear
-    # gives 0.8); both stay at 0 past max_steps (cosine unclamped would climb back: 0.0955 at
-    # p = 1.2)
+    # gives 0.8); linear stays at 0 past max_steps. (HF's cosine climbs back there, 0.0955 at p = 1.2:
+    # never used, as the last step, max_steps, runs at the factor of max_steps - 1.)
     want = {
         "linear": [1.0, 0.8, 0.5, 0.0, 0.0],
-        "cosine": [1.0, 0.9045, 0.5, 0.0, 0.0],
+        "cosine": [1.0, 0.9045, 0.5, 0.0],
         "constant": [1.0] * 5,
     }
     for schedule, factors in want.items():
-        f = gc.lr_lambda(gc.Config(max_steps=10, warmup_steps=0, lr_scheduler_type=schedule))
-        assert [round(f(s), 4) for s in (0, 2, 5, 10, 12)] == factors, schedule
+        steps = (0, 2, 5, 10, 12)[:len(factors)]
+        assert lr_factors(tiny_model, steps, warmup_steps=0, lr_scheduler_type=schedule) == factors, schedule
 
 
 def test_parse_args_types_and_bools():
@@ -844,14 +1042,34 @@ def test_parse_args_types_and_bools():
     (["--lora_alpha", "0"], "--lora_alpha"),
     (["--reward_funcs"], "--reward_funcs"),  # none at all
     (["--dynamic_sampling_reward", "format_reward"], "--dynamic_sampling_reward"),  # not listed
-    (["--loss_type", "cispo"], "--epsilon_high"),  # a cap of 0.2 would scale every gradient down
+    (["--loss_type", "cispo", "--epsilon_high", "0.5"], "--epsilon_high"),  # a cap < 1 scales every gradient down
     (["--sapo_temperature_neg", "0"], "--sapo_temperature_neg"),
     (["--max_tool_calling_iterations", "-1"], "--max_tool_calling_iterations"),
     (["--tools", "nope"], "--tools"),
 ])
 def test_bad_flags_rejected_with_the_flag_named(argv, flag):
-    with pytest.raises(gc.ConfigError, match=flag):
+    with pytest.raises(gc.ConfigError, match=f"^{flag}: "):  # "--flag: is <value>; <fix>", or argparse's text
         gc.parse_args(argv)
+
+
+def test_a_bad_choice_is_argparses_message():
+    choices = "'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'"
+    with pytest.raises(gc.ConfigError, match=f"^--loss_type: invalid choice: 'ppo' \\(choose from {choices}\\)$"):
+        gc.parse_args(["--loss_type", "ppo"])
+    with pytest.raises(gc.ConfigError, match="^--beta: invalid float value: 'x'$"):
+        gc.parse_args(["--beta", "x"])
+
+
+def test_cispo_takes_its_default_cap():
+    """A bare --loss_type cispo is accepted (issue 36 item 7): its cap is CISPO_CAP = 5.0."""
+    cfg = gc.parse_args(["--loss_type", "cispo"])
+    assert (cfg.loss_type, cfg.epsilon_high) == ("cispo", 0.0)
+    assert gc.parse_args(["--loss_type", "cispo", "--epsilon_high", "4"]).epsilon_high == 4.0
+
+
+def test_normalisers_cover_every_loss_type():
+    loss_type = {f.name: f for f in dataclasses.fields(gc.Config)}["loss_type"]
+    assert set(gc.NORMALISERS) == set(typing.get_args(loss_type.type))
 
 
 def test_a_tool_needs_a_schema_and_a_chat_template(tmp_path):
@@ -870,11 +1088,11 @@ def test_a_tool_needs_a_schema_and_a_chat_template(tmp_path):
 
 
 def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
-    (tmp_path / "trainer_state.pt").write_bytes(b"")  # a full fine-tuning checkpoint: no adapter/
-    with pytest.raises(gc.ConfigError, match="--use_peft: the checkpoint to resume holds no LoRA adapter"):
-        gc.parse_args(["--use_peft", "--resume_from_checkpoint", str(tmp_path)])
+    genuine_checkpoint(tmp_path)  # a full fine-tuning checkpoint: no adapter/
+    with pytest.raises(gc.ConfigError, match="^--use_peft: the checkpoint to resume holds no LoRA adapter"):
+        gc.parse_args(["--use_peft", "--resume_from_checkpoint", str(tmp_path), "--output_dir", str(tmp_path / "out")])
     monkeypatch.setitem(sys.modules, "peft", None)  # not installed
-    with pytest.raises(gc.ConfigError, match="--use_peft: needs peft"):
+    with pytest.raises(gc.ConfigError, match="^--use_peft: is True; pip install peft"):
         gc.parse_args(["--use_peft"])
 
 
@@ -893,7 +1111,7 @@ def test_lora_on_an_embedding_is_refused(tmp_path):
 
 def test_report_to_wandb_needs_wandb(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed (it is not, in CI)
-    with pytest.raises(gc.ConfigError, match="--report_to: 'wandb' is not installed"):
+    with pytest.raises(gc.ConfigError, match="^--report_to: is 'wandb'; it is not installed"):
         gc.parse_args(["--report_to", "wandb"])
 
 
@@ -929,11 +1147,14 @@ def world_of_one(tmp_path):
 def test_process_group_waits_ddp_timeout(monkeypatch):
     """Every collective (the barriers while rank 0 saves) waits --ddp_timeout seconds, not the
     backend's default (NCCL: 10 minutes); our TP groups too."""
+    # MASTER_PORT 0: the store of a world of one binds a free port itself
     world_of_one_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                            MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
     for key, value in world_of_one_env.items():
         monkeypatch.setenv(key, value)
-    env = gc.setup_distributed(gc.Config(ddp_timeout=4321))
+    cfg = gc.Config(ddp_timeout=4321)
+    env = gc.setup_env(cfg)
+    gc.setup_distributed(cfg, env)
     try:
         for group in (dist.group.WORLD, env.tp_group):
             backend = group._get_backend(torch.device("cpu"))
@@ -1031,8 +1252,7 @@ def test_resume_with_another_data_order_is_refused(tmp_path, flag, value):
     config = json.loads((tmp_path / "grpo_config.json").read_text())
     config[flag] = value  # the checkpoint's run had another value
     (tmp_path / "grpo_config.json").write_text(json.dumps(config))
-    with pytest.raises(gc.ConfigError, match=f"--{flag}: is .*, but the --resume_from_checkpoint "
-                                             f"run had {value!r}"):
+    with pytest.raises(gc.ConfigError, match=f"^--{flag}: is .*, but the checkpoint's run had {value!r}: pass that"):
         gc.parse_args(argv)
 
 
@@ -1041,17 +1261,19 @@ def test_resume_with_another_data_order_is_refused(tmp_path, flag, value):
 # ------------------------------------------------------------------------------------------------------------
 
 def genuine_checkpoint(path):
-    """What save_checkpoint writes for the optimizer and the trainer state: DCP files and trainer_state.pt."""
+    """What save_checkpoint writes for the optimizer and the trainer state: DCP files, trainer_state.pt
+    (the step and the data position) and grpo_config.json."""
     import torch.distributed.checkpoint as dcp
+    from transformers import get_scheduler
 
     lm = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(gc.Config(max_steps=10)))
+    scheduler = get_scheduler("linear", optimizer, 0, 10)  # as build_trainer's: initial_lr in the param groups
     lm(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     scheduler.step()
     dcp.save({"optimizer": optimizer.state_dict()}, checkpoint_id=str(path / "optimizer"), no_dist=True)
-    torch.save({"step": 1, "scheduler": scheduler.state_dict()}, path / "trainer_state.pt")
+    torch.save({"step": 1, "data_position": 4}, path / "trainer_state.pt")
     (path / "grpo_config.json").write_text(json.dumps(dataclasses.asdict(gc.Config())))
 
 
@@ -1069,9 +1291,9 @@ def test_a_crafted_checkpoint_is_refused_before_any_engine(tmp_path, crafted):
     ckpt, marker = tmp_path / "checkpoint-1", tmp_path / "marker"
     ckpt.mkdir()
     genuine_checkpoint(ckpt)
-    assert gc.read_checkpoint_state(str(ckpt))["step"] == 1  # the genuine one reads (LambdaLR's state is numbers)
+    assert gc.read_checkpoint_state(str(ckpt))["data_position"] == 4  # the genuine one reads (numbers)
     if crafted == "trainer_state.pt":
-        torch.save({"step": 1, "scheduler": WritesAMarker(marker)}, ckpt / crafted)
+        torch.save({"step": 1, "data_position": WritesAMarker(marker)}, ckpt / crafted)
     else:  # torch.distributed.checkpoint itself reads this one with a plain pickle.load
         (ckpt / crafted).write_bytes(pickle.dumps(WritesAMarker(marker)))
     with pytest.raises(gc.ConfigError, match=r"--resume_from_checkpoint: .* \(UnpicklingError: "):
@@ -1175,17 +1397,24 @@ def test_long_prompts_are_dropped_and_counted(tmp_path, capsys):
 # non-finite steps, atomic checkpoints
 # ------------------------------------------------------------------------------------------------------------
 
-def test_clip_grad_norm_scales_down_only():
-    """g *= min(1, max_norm / ||g||), ||g|| over every parameter: here ||(3, 4, 12)|| = 13."""
-    env = SimpleNamespace(device=torch.device("cpu"))
-    # a max_norm over the norm: kept; under it: scaled down; 0: no clipping
-    for max_norm, scale in ((26.0, 1.0), (6.5, 0.5), (0.0, 1.0)):
-        params = [torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)]
-        params[0].grad = torch.tensor([3.0, 4.0])
-        params[1].grad = torch.tensor([12.0])
-        assert gc.clip_grad_norm(params, max_norm, env).item() == 13.0  # the norm before clipping
-        clipped = torch.cat([p.grad for p in params])
-        assert torch.allclose(clipped, scale * torch.tensor([3.0, 4.0, 12.0])), max_norm
+def test_gradient_clipping_scales_down_only():
+    """train_step's clipping (torch's): g *= min(1, max_grad_norm / ||g||), ||g|| over every
+    parameter; the logged grad_norm is the norm before clipping."""
+    batch = train_batch([[1, 2], [3]], [[4, 5], [6, 7]], [-1.0, 1.0])
+    policy = gc.Policy(tiny_llama())
+    optimizer = StepGradients(policy)
+
+    def step(max_norm):  # (the gradients the optimizer got, the logged norm)
+        cfg = gc.Config(loss_type="grpo", max_grad_norm=max_norm, vllm_importance_sampling_correction=False)
+        stats = gc.train_step(policy, optimizer, NO_SCHEDULE, batch, cfg, cpu_env(), BUDGET, {}, 1)
+        return torch.cat([g.flatten() for g in optimizer.grads]), stats["grad_norm"]
+    grads, norm = step(0.0)  # 0: no clipping
+    assert close(grads.norm(), norm, rtol=1e-5) and norm > 0
+    # a max_grad_norm over the norm: kept; under it: scaled down
+    for max_norm, scale in ((2 * norm, 1.0), (norm / 2, 0.5), (norm / 4, 0.25)):
+        clipped, logged = step(max_norm)
+        assert close(logged, norm, rtol=1e-6)  # the norm before clipping
+        assert torch.allclose(clipped, scale * grads, rtol=1e-5, atol=1e-9), max_norm
 
 
 def test_non_finite_step_is_skipped():
@@ -1194,30 +1423,30 @@ def test_non_finite_step_is_skipped():
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7]]
-    completion_mask = gc.completion_mask_of(completions)
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                     loss_type="grpo", vllm_importance_sampling_correction=False)
-    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    env = cpu_env()
 
     def batch(advantages):
-        return SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
-                               loss_mask=completion_mask.float(), advantages=torch.tensor(advantages),
-                               vllm_logps=None, old_logps=None, ref_logps=None)
+        return train_batch(prompts, completions, advantages)
     before = [p.detach().clone() for p in policy.parameters()]
-    sums = gc.train_step(policy, optimizer, scheduler, batch([float("nan"), 1.0]), cfg, env, {})
+    sums = gc.train_step(policy, optimizer, scheduler, batch([float("nan"), 1.0]), cfg, env, BUDGET, {}, 1)
     assert sums["skipped"] == 1.0 and not math.isfinite(sums["grad_norm"])
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # no update
     assert all(p.grad is None for p in policy.parameters()) and scheduler.last_epoch == 0
-    sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, {})
+    sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, BUDGET, {}, 2)
     assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
 class RecordingEngine:
-    """Stands in for vllm.LLM in the engine-schedule test below: notes sleeps, returns fixed completions."""
+    """Stands in for vllm.LLM in the engine tests below: notes sleeps and wakes, returns fixed completions."""
     awake = True
 
     def sleep(self, level):
         self.awake = False
+
+    def wake_up(self, tags):  # the weights, then the KV cache: awake once both are back
+        self.awake = self.awake or tags == ["kv_cache"]
 
     def generate(self, requests, params, use_tqdm=False):
         def sample():
@@ -1226,37 +1455,34 @@ class RecordingEngine:
         return [SimpleNamespace(outputs=[sample() for _ in range(p.n)]) for p in per_request]
 
 
-def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_path, monkeypatch):
+def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_path, monkeypatch, world_of_one):
     """An eval mid-way through num_iterations wakes the engine (and pushes): it must sleep again before the next
-    train step. Sleep mode is GPU-only, so this runs train()'s real schedule with env.sleep on and a recording
-    stand-in for the engine, and checks the engine's state at every train step."""
+    train step. Sleep mode is GPU-only, so this runs run()'s real schedule and ColocatedEngine's real sleep and wake
+    with the memory plan's sleep on, a recording stand-in for the engine, and the push and its probe stubbed
+    (no weights go anywhere); it checks the engine's state at every train step."""
     cfg = gc.Config(model=tiny_model(engine=True), num_generations=2, per_device_train_batch_size=2,
                     gradient_accumulation_steps=1, num_iterations=2, max_steps=2, eval_steps=1, save_steps=-1,
                     vllm_importance_sampling_correction=False, reward_funcs=["reward_len"], output_dir=str(tmp_path),
                     vllm_enable_sleep_mode="true")  # (GPU-only: no check_config here)
-    # MASTER_PORT 0: the store of a world of one binds a free port itself
-    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT="0").items():
-        monkeypatch.setenv(key, value)
-    env = gc.setup_distributed(cfg)
-    env.sleep, engine, events, train_step = True, RecordingEngine(), [], gc.train_step
+    engine, events, train_step = RecordingEngine(), [], gc.train_step
 
-    def wake_and_push(self, *args):  # the wake + push + parity check
-        self.llm.awake = True
+    def push_weights(llm, lm, env, bucket_mb):
+        assert llm.awake is False  # woken for the weights only: its KV cache comes back after the push
         events.append("push")
-        return {"parity_gap": 0.0}
+        return 0
 
     def recording_train_step(*args):
         events.append("train, engine " + ("awake" if engine.awake else "asleep"))
         return train_step(*args)
     monkeypatch.setattr(gc, "make_engine", lambda *args: engine)
-    monkeypatch.setattr(gc.ColocatedEngine, "wake_and_push", wake_and_push)
+    monkeypatch.setattr(gc, "push_weights", push_weights)
+    monkeypatch.setattr(gc, "parity_gap", lambda *args: 0.0)
     monkeypatch.setattr(gc, "train_step", recording_train_step)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 80 * GiB))  # the wake's
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
-    try:
-        gc.run(cfg, env, None, (smol_tokenizer, rows, rows[:1]))
-    finally:
-        dist.destroy_process_group()
+    plan = SimpleNamespace(tokens=BUDGET, checkpointing=False, sleep=True, why="level 2")
+    gc.run(cfg, cpu_env(), SimpleNamespace(model_config=None, data=(smol_tokenizer, rows, rows[:1]), state=None,
+                                           plan=plan))
     # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
     assert events == ["push", "train, engine asleep", "push", "train, engine asleep", "push"]
 
@@ -1265,25 +1491,26 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
     (True, [True, False, False]),
     (False, [True, True, True]),
 ])
-def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, correction, probed):
+def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, world_of_one, correction, probed):
     """The parity probe runs after the first push, and after every later one when the IS correction
     is off (on, the canary of train_step checks every step's sampled tokens instead): no push goes
     unchecked."""
-    monkeypatch.setattr(gc, "make_engine", lambda *args: None)
     cfg = gc.Config(vllm_importance_sampling_correction=correction)
-    engine = gc.ColocatedEngine(cfg, SimpleNamespace(sleep=False), None, [5, 6, 7])
+    engine = gc.ColocatedEngine(RecordingEngine(), cfg, cpu_env(), False, [5, 6, 7])
     probes = []
 
-    def wake_and_push(policy, probe_ids, step, ledger):  # the push, recorded
+    def parity_gap(llm, policy, probe_ids, env):  # the probe, recorded
         probes.append(probe_ids)
-        return {"push_gb": 1.0}
-    monkeypatch.setattr(engine, "wake_and_push", wake_and_push)
+        return 0.0
+    monkeypatch.setattr(gc, "push_weights", lambda *args: 1 << 30)
+    monkeypatch.setattr(gc, "parity_gap", parity_gap)
+    probe_ran = []
     for step in range(3):
-        engine.stale = True  # the trainer stepped
-        engine.ready(None, step, {})
-    assert [p == [5, 6, 7] for p in probes] == probed
-
-
+        before = len(probes)
+        engine.wake_and_push(SimpleNamespace(lm=None), step, {})  # a push (stubbed), then the probe or not
+        probe_ran.append(len(probes) > before)
+    assert probe_ran == probed and all(p == [5, 6, 7] for p in probes) and engine.pushes == 3
+    assert engine.info["push_gb"] == 2**30 / 1e9 and ("parity_gap" in engine.info) == probed[-1]  # the last push's
 def test_canary_before_the_update(world_of_one):
     """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
     A gap beyond the tolerance stops the step with no update; NaN vLLM logprobs are left out of it
@@ -1292,17 +1519,15 @@ def test_canary_before_the_update(world_of_one):
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7]]
-    completion_mask = gc.completion_mask_of(completions)
+    model_mask = completion_mask_of(completions)
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
-    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    env = cpu_env()
     with torch.no_grad():  # what an engine holding the trainer's weights returns
-        exact, _ = policy(*gc.pack(prompts, completions), completion_mask, 1.0)
+        exact, _ = policy(*gc.pack(prompts, completions, model_mask), model_mask, 1.0)
 
-    def step(vllm_logps):
-        batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
-                                loss_mask=completion_mask.float(), advantages=torch.tensor([-1.0, 1.0]),
-                                vllm_logps=vllm_logps, old_logps=None, ref_logps=None)
-        return gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {}, canary_step=4)
+    def step(vllm_logps):  # the canary runs: the batch has vLLM's logprobs
+        batch = train_batch(prompts, completions, [-1.0, 1.0], vllm_logps=vllm_logps)
+        return gc.train_step(policy, optimizer, scheduler, batch, cfg, env, BUDGET, {}, 4)
     before = [p.detach().clone() for p in policy.parameters()]
     with pytest.raises(RuntimeError, match="step 4: vLLM and the trainer disagree on the tokens vLLM sampled"):
         step(exact - 0.01)  # a stale engine: 0.01 nats per token > fp32's 1e-4
@@ -1333,14 +1558,10 @@ def test_lora_trains_adapters_only_and_pushes_merged_weights():
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7]]
-    completion_mask = gc.completion_mask_of(completions)
-    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
-                            loss_mask=completion_mask.float(), advantages=torch.tensor([-1.0, 1.0]),
-                            vllm_logps=None, old_logps=None, ref_logps=None)
-    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
-    for _ in range(2):
-        assert gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})["skipped"] == 0.0
-    args = (*gc.pack(prompts, completions), completion_mask, 1.0)
+    batch = train_batch(prompts, completions, [-1.0, 1.0])
+    for step in (1, 2):
+        assert gc.train_step(policy, optimizer, scheduler, batch, cfg, cpu_env(), BUDGET, {}, step)["skipped"] == 0.0
+    args = (*gc.pack(prompts, completions, batch.model_mask), batch.model_mask, 1.0)
     with torch.no_grad():
         assert torch.equal(policy(*args)[0], policy(*args)[0])  # no dropout without grad: exact
         base_logps = gc.Policy(base)(*args)[0]
@@ -1362,21 +1583,17 @@ def test_lora_trains_adapters_only_and_pushes_merged_weights():
 def test_train_step_entropy_terms_reach_the_policy():
     """Zero advantages: no policy gradient. The entropy bonus alone still moves the weights (the entropy carries a
     gradient through Policy only when entropy_coef != 0), also with top_entropy_quantile and sequence-level ratios."""
-    prompts, completions = [[1, 2], [3]], [[4, 5, 6], [7, 8]]
-    completion_mask = gc.completion_mask_of(completions)
-    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, completion_mask=completion_mask,
-                            loss_mask=completion_mask.float(), advantages=torch.zeros(2), vllm_logps=None,
-                            old_logps=None, ref_logps=None)
-    env = SimpleNamespace(device=torch.device("cpu"), world=1, dtype=torch.float32)
+    batch = train_batch([[1, 2], [3]], [[4, 5, 6], [7, 8]], [0.0, 0.0])
+    env = cpu_env()
     norms = []
     for flags in ({}, {"entropy_coef": 0.1}, {"entropy_coef": 0.1, "top_entropy_quantile": 0.5,
                                                  "importance_sampling_level": "sequence"}):
         cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                         loss_type="grpo", vllm_importance_sampling_correction=False, **flags)
-        policy = gc.wrap_policy(tiny_llama(), env, cfg)
+        policy = gc.wrap_policy(tiny_llama(), env, cfg, False)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        norms.append(gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})["grad_norm"])
+        norms.append(gc.train_step(policy, optimizer, scheduler, batch, cfg, env, BUDGET, {}, 1)["grad_norm"])
     assert norms[0] == 0.0 and norms[1] > 0 and norms[2] > 0 and norms[2] != norms[1]  # the quantile: fewer tokens
 
 
@@ -1386,13 +1603,12 @@ def _save_twice_and_die(out, store):
     from transformers import AutoTokenizer
 
     policy = gc.Policy(tiny_llama())
-    optimizer = torch.optim.AdamW(policy.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trainer = SimpleNamespace(lm=policy.lm, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()))
     args = (gc.Config(output_dir=out), SimpleNamespace(is_main=True, device=torch.device("cpu")))
-    rest = (policy, optimizer, scheduler, AutoTokenizer.from_pretrained(MODEL))
-    gc.save_checkpoint(*args, 1, *rest, 4)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    gc.save_checkpoint(*args, 1, trainer, tokenizer, 4)
     torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed half-way through the second save
-    gc.save_checkpoint(*args, 2, *rest, 8)
+    gc.save_checkpoint(*args, 2, trainer, tokenizer, 8)
 
 
 def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
@@ -1413,17 +1629,18 @@ def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
 def test_checkpoint_saves_over_a_leftover_old_dir(tmp_path, world_of_one):
     """A kill between save_checkpoint's two renames leaves checkpoint-N.old: the next save of
     step N still works."""
+    from transformers import AutoTokenizer
+
     policy = gc.Policy(tiny_llama())
-    optimizer = torch.optim.AdamW(policy.parameters())
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    trainer = SimpleNamespace(lm=policy.lm, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()))
     out = tmp_path / "out"
     for leftover in ("checkpoint-1", "checkpoint-1.old"):  # an older save; a killed swap's rest
         (out / leftover).mkdir(parents=True)
         (out / leftover / "stale").write_text("x")
     cfg = gc.Config(output_dir=str(out))
     env = SimpleNamespace(is_main=True, device=torch.device("cpu"))
-    tokenizer = gc.load_tokenizer(MODEL)
-    gc.save_checkpoint(cfg, env, 1, policy, optimizer, scheduler, tokenizer, 4)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL)
+    gc.save_checkpoint(cfg, env, 1, trainer, tokenizer, 4)
     assert sorted(os.listdir(out)) == ["checkpoint-1"]
     assert gc.read_checkpoint_state(str(out / "checkpoint-1"))["data_position"] == 4
     assert not (out / "checkpoint-1" / "stale").exists()
@@ -1505,20 +1722,24 @@ def test_accuracy_reward_without_math_verify(monkeypatch):
 
 
 def test_plot_curves(tmp_path, capsys, monkeypatch):
+    spec = importlib.util.spec_from_file_location("plot_curves", os.path.join(HERE, "bench", "plot_curves.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)  # run.sh runs it after its runs
     records = [{"step": 0, "eval/accuracy_reward": 0.1}, {"step": 1, "reward": 0.2}, {"step": 2, "reward": 0.5,
                                                                                     "eval/accuracy_reward": 0.3}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    gc.plot_curves(str(tmp_path))
+    bench.plot_curves(str(tmp_path))
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
     assert f"curves: {tmp_path / 'curves.png'}" in capsys.readouterr().out
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: say so, skip
-    gc.plot_curves(str(tmp_path))
+    bench.plot_curves(str(tmp_path))
     assert "matplotlib is not installed" in capsys.readouterr().out
     monkeypatch.undo()
     fresh = tmp_path / "fresh"  # a resume at max_steps into a fresh output_dir: no metrics.jsonl
     fresh.mkdir()
-    gc.plot_curves(str(fresh))
-    assert "no metrics.jsonl" in capsys.readouterr().out and not (fresh / "curves.png").exists()
+    bench.plot_curves(str(fresh))
+    assert f"no {fresh / 'metrics.jsonl'}: no curves.png" in capsys.readouterr().out
+    assert not (fresh / "curves.png").exists()
 
 
 def test_soft_overlong_punishment():
@@ -1550,17 +1771,17 @@ def test_tool_calls_and_their_errors_become_messages():
     tools = {"calculator": rf.calculator}
     text = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n'
             '</tool_call> then <tool_call>{"name": "nope"}</tool_call> and <tool_call>{"name"')
-    calls = gc.TOOL_CALL.findall(text)
+    calls = rf.TOOL_CALL.findall(text)
     assert len(calls) == 2  # the unterminated third is text, not a call
     message = {"role": "tool", "name": "calculator", "content": "5"}
-    assert gc.call_tool(tools, calls[0]) == (False, message)
+    assert rf.call_tool(tools, calls[0]) == (False, message)
     message = {"role": "tool", "name": "nope", "content": "{'error': 'Tool nope not found.'}"}
-    assert gc.call_tool(tools, calls[1]) == (True, message)
+    assert rf.call_tool(tools, calls[1]) == (True, message)
     for call, error in [('{"name": "calculator", "arguments": {', "Expecting property name"),
                         ('{"name": "calculator", "arguments": {"expression": "1 / 0"}}', "by zero"),
                         ('{"name": "calculator", "arguments": {"x": 1}}', "unexpected keyword"),
                         ('[1, 2]', "list indices")]:
-        failed, message = gc.call_tool(tools, call)
+        failed, message = rf.call_tool(tools, call)
         assert failed and message["role"] == "tool" and error in message["content"], (call, message)
 
 
@@ -1619,8 +1840,9 @@ def tokens_of(k, j):  # completion j of prompt k: j + 1 tokens of k; the first e
 
 def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_even_prompts,),
                      weights=None, sample=tokens_of, **flags):
-    """rollout() on prompts "0", "1", ... with a stand-in for generate (sample(k, j): the token ids
-    and finish reason of completion j of prompt k), G = 2, 2 prompts per step: factor 2 draws 4."""
+    """run's rollout, score and make_batch on prompts "0", "1", ... with a stand-in for generate
+    (sample(k, j): the token ids and finish reason of completion j of prompt k), G = 2, 2 prompts per
+    step: factor 2 draws 4. Returns the batch."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                     dynamic_sampling_factor=factor, vllm_importance_sampling_correction=False,
                     reward_funcs=[fn.__name__ for fn in funcs], **flags)
@@ -1633,10 +1855,13 @@ def stand_in_rollout(monkeypatch, prompt_numbers, factor, funcs=(constant_on_eve
                                          for ids, reason in group]) for group in samples]
     monkeypatch.setattr(gc, "generate", generate)
     monkeypatch.setattr(gc, "sampling_params", lambda *args, **kwargs: None)  # no vllm import
-    env = SimpleNamespace(tp=1, world=1, rank=0, engine_index=0, device=torch.device("cpu"))
+    env, tokenizer = cpu_env(), CharTokenizer()
     weights = torch.ones(len(funcs)) if weights is None else torch.tensor(weights)
     positions = range(len(rows))
-    return gc.rollout(None, cfg, env, CharTokenizer(), rows, positions, list(funcs), weights, {})
+    samples, tool_counts = gc.rollout(None, cfg, env, tokenizer, [row["prompt_ids"] for row in rows], positions)
+    rewards_per_func = gc.score(list(funcs), rows, [s.token_ids for s in samples], cfg.num_generations, tokenizer,
+                                cfg.max_completion_length)
+    return gc.make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, weights, tool_counts)
 
 
 def test_rollout_weighs_rewards_and_masks_truncated_completions(monkeypatch):
