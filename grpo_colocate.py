@@ -1020,6 +1020,8 @@ def run(cfg: Config, env, inputs):
     tokenizer, train_rows, eval_rows = inputs.data
     plan = inputs.plan  # the token budget, checkpointing and sleep mode: the memory plan's
     state = inputs.state  # the checkpoint's trainer_state, or None
+    if state and env.is_main:  # a restart before this run's first save goes on from here too
+        point_latest(cfg.output_dir, cfg.resume_from_checkpoint)
     start_step = state["step"] if state else 0
     data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
     reward_funcs, reward_weights = load_reward_funcs(cfg)
@@ -1501,6 +1503,14 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
+def point_latest(output_dir: str, checkpoint: str):
+    """<output_dir>/latest: the checkpoint a restart continues from (this run's last save, or the one
+    it resumed from), written atomically."""
+    with open(os.path.join(output_dir, "latest.tmp"), "w") as f:
+        f.write(os.path.relpath(checkpoint, output_dir))
+    os.replace(os.path.join(output_dir, "latest.tmp"), os.path.join(output_dir, "latest"))
+
+
 def latest_checkpoint(output_dir: str) -> str:
     """The checkpoint this run saved last, named by <output_dir>/latest (not the highest step:
     after a resume from an older one, the newer ones are an abandoned branch)."""
@@ -1797,9 +1807,7 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, trai
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)  # an abandoned branch's save of this step
         os.replace(tmp, final)
-        with open(os.path.join(cfg.output_dir, "latest.tmp"), "w") as f:  # then the pointer to it
-            f.write(os.path.basename(final))
-        os.replace(os.path.join(cfg.output_dir, "latest.tmp"), os.path.join(cfg.output_dir, "latest"))
+        point_latest(cfg.output_dir, final)
     dist.barrier()
     return final
 

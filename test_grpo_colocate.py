@@ -13,6 +13,7 @@ No mocks of vLLM or the model in the end-to-end tests.
 import dataclasses
 import datetime
 import importlib.util
+import io
 import json
 import math
 import os
@@ -72,8 +73,9 @@ def train_batch(prompts, completions, advantages, model_mask=None, vllm_logps=No
     """A generation batch as make_batch returns it, for train_step: every model token is a loss token."""
     model_mask = completion_mask_of(completions) if model_mask is None else model_mask
     return SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=model_mask,
-                           loss_mask=model_mask.float(), advantages=torch.tensor(advantages),
-                           vllm_logps=vllm_logps, old_logps=None, ref_logps=None)
+                           loss_mask=model_mask.float(), trained=torch.ones(len(completions), dtype=torch.bool),
+                           advantages=torch.tensor(advantages), vllm_logps=vllm_logps, old_logps=None,
+                           ref_logps=None)
 
 
 class StepGradients:
@@ -1191,22 +1193,22 @@ def test_reward_module_missing():
         gc.parse_args(["--reward_funcs", "reward_fns:REWARD_FUNCS"])
 
 
-def test_resume_latest_needs_a_complete_checkpoint(tmp_path):
+def test_resume_latest_needs_a_saved_checkpoint(tmp_path):
     (tmp_path / "checkpoint-3.tmp").mkdir()  # a save that was cut short does not count
     with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint"):
         gc.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
 
 
-def test_resume_latest_takes_the_save_made_last(tmp_path):
-    """A run resumed from checkpoint-200 saves checkpoint-250 beside the abandoned checkpoint-300
-    of the run before: latest is checkpoint-250, saved last, not the highest step."""
-    for step, saved_at in ((300, 1_000), (200, 500), (250, 2_000)):
+def test_resume_latest_follows_the_pointer_not_the_newest_file(tmp_path):
+    """Issue 35 b: a run resumed from checkpoint-200 points `latest` at it before its first save;
+    the abandoned checkpoint-300 of the run before, though newer on disk, is not latest."""
+    for step, saved_at in ((300, 2_000), (200, 500)):
         ckpt = tmp_path / f"checkpoint-{step}"
         ckpt.mkdir()
         (ckpt / "trainer_state.pt").write_bytes(b"")
         os.utime(ckpt / "trainer_state.pt", (saved_at, saved_at))
-    (tmp_path / "checkpoint-400.tmp").mkdir()  # cut short: no trainer_state.pt at its top
-    assert gc.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-250")
+    (tmp_path / "latest").write_text("checkpoint-200")
+    assert gc.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-200")
 
 
 def test_model_missing():
@@ -1978,7 +1980,8 @@ class StandInEngine:
 
     def generate(self, prompts, params, use_tqdm=False):
         self.seen.append([(p["prompt_token_ids"], q.seed) for p, q in zip(prompts, params)])
-        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[t + self.shift for t in p["prompt_token_ids"]])])
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[t + self.shift for t in p["prompt_token_ids"]],
+                                                         finish_reason="stop", logprobs=None)])
                 for p in prompts]
 
 
@@ -2060,8 +2063,8 @@ def fsdp_vs_ddp_ranks(model, out):
                    for _ in range(8)]
     mask = model_mask_of(completions)
     batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=mask,
-                            loss_mask=mask.float(), advantages=torch.randn(8), vllm_logps=None,
-                            old_logps=None, ref_logps=None)
+                            loss_mask=mask.float(), trained=torch.ones(8, dtype=torch.bool),
+                            advantages=torch.randn(8), vllm_logps=None, old_logps=None, ref_logps=None)
 
     def build(cfg, state=None):  # the trainer's own: the policy, AdamW (+ its state at a resume), the schedule
         t = gc.build_trainer(cfg, env, SimpleNamespace(checkpointing=cfg.fsdp), state)
@@ -2168,8 +2171,9 @@ def packing_ranks(model, out):
     completions = [tokens(40, 41) if env.rank == 0 and i < 2 else tokens(1, 4) for i in range(6)]
     mask = model_mask_of(completions)
     batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=mask,
-                            loss_mask=mask.float(), advantages=torch.randn(6, generator=g),
-                            vllm_logps=None, old_logps=None, ref_logps=None)
+                            loss_mask=mask.float(), trained=torch.ones(6, dtype=torch.bool),
+                            advantages=torch.randn(6, generator=g), vllm_logps=None, old_logps=None,
+                            ref_logps=None)
 
     def reference(loss_type):
         """The definition: both ranks' sequences as ONE batch, each alone (unpadded, unpacked)."""
@@ -2346,8 +2350,9 @@ def test_e2e_resume_on_one_rank_reproduces_step_two(two_rank_run, tmp_path):
     # (rtol, atol) per quantity: the same completions and rewards, summed over 2 ranks or 1 (in
     # another order); the lr from the checkpoint's AdamW; the logprob gap is fp32 noise (~1e-6) and
     # the clip share 0: absolute tolerances
+    # the rate: this run's flags at step 2, --max_steps 3 (not the checkpoint's 2): 1e-5 x (1 - 1/3)
+    assert close(got["lr"], 1e-5 * (1 - 1 / 3), 1e-12) and close(want["lr"], 1e-5 * (1 - 1 / 2), 1e-12)
     tolerances = {
-        "lr": (1e-12, 0),
         "loss": (1e-4, 5e-5),
         "grad_norm": (1e-4, 0),
         "entropy": (1e-5, 0),
@@ -3089,26 +3094,47 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_pa
 
 def boom_on_rank_1(prompts, completions, **columns):
     """A reward function (test_a_crash_on_one_rank_ends_every_rank) that raises on rank 1 at its
-    third call: after the eval at step 0 and the rollout of step 1, in the final eval."""
+    third call: after the eval at step 0 and the rollout of step 1, in the final eval. BOOM names
+    the kind: ValueError (a crash) or ConfigError (a bad input found late)."""
     boom_on_rank_1.calls = getattr(boom_on_rank_1, "calls", 0) + 1
     if os.environ["RANK"] == "1" and boom_on_rank_1.calls == 3:
-        raise ValueError("boom on rank 1 at the final eval")
+        raise {"ValueError": ValueError, "ConfigError": gc.ConfigError}[os.environ["BOOM"]]("boom on rank 1")
     return [0.0] * len(completions)
 
 
-def test_a_crash_on_one_rank_ends_every_rank(tiny_model, tmp_path):
+@pytest.mark.parametrize("kind", ["ValueError", "ConfigError"])
+def test_a_crash_on_one_rank_ends_every_rank(tiny_model, tmp_path, kind):
     """A reward function that raises on rank 1 in the final eval: every rank ends (a rank left
     waiting in a collective would hold the run until the timeout), and the final checkpoint, written
-    before the eval, is there."""
+    before the eval, is there. A ConfigError there is said, by rank 1 (issue 35 item e)."""
     out = str(tmp_path / "out")
     proc = run_trainer(["--model", tiny_model(engine=True), *SMALL,
                         "--reward_funcs", "accuracy_reward", "test_grpo_colocate:boom_on_rank_1",
                         "--max_steps", "1", "--eval_steps", "1", "--output_dir", out],
-                       check=False, timeout=300)
+                       check=False, timeout=300, BOOM=kind)
     assert proc.returncode != 0
-    assert proc.stderr.count("ValueError: boom on rank 1 at the final eval") == 1  # the first error, printed once
+    if kind == "ValueError":
+        assert proc.stderr.count("ValueError: boom on rank 1") == 1  # the first error, printed once
+    else:
+        assert "error: boom on rank 1 (rank 1)" in proc.stderr, proc.stderr[-3000:]
     assert subprocess.run(["pgrep", "-f", out], capture_output=True).returncode == 1
     assert gc.latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
+
+
+def test_e2e_two_nodes_stop_together_on_any_error_before_the_process_group(tiny_model, tmp_path):
+    """Issue 35 item e: node 1's tokenizer cannot be read (not a config error: the tokenizer's own
+    exception, before any process group). It is routed as a bad input is: node 1 says what failed,
+    node 0 names rank 1, and neither waits in init_process_group for the other."""
+    model = tiny_model(engine=True)
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "tokenizer.json").write_text("{ not json")
+    nodes = [["--model", path, *TWO_NODES, "--reward_funcs", "reward_len", "--output_dir", str(tmp_path / "out")]
+             for path in (model, str(broken))]
+    codes, logs = launch_two_nodes(tmp_path, nodes, timeout=300)
+    assert 0 not in codes, [log[-4000:] for log in logs]
+    assert "[rank 1] failed:" in logs[1] and "error: " in logs[0] and "(rank 1)" in logs[0], logs[0][-4000:]
+    assert "engine ready" not in logs[0] + logs[1]
 
 
 def test_non_finite_steps_in_a_row_stop_the_run(tiny_model, tmp_path):
@@ -3258,6 +3284,335 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
     assert unchanged  # stopped before the optimizer step
     gap, unchanged = result["fresh_canary"]
     assert gap < 1e-4 and not unchanged
+
+
+# ------------------------------------------------------------------------------------------------------------
+# issues 35 and 36: the faults at scale, and TRL's rules where README says the trainer follows them
+# ------------------------------------------------------------------------------------------------------------
+
+def test_filler_groups_do_not_count_as_sequences(monkeypatch):
+    """Issue 36 item 2: dynamic sampling tops a short step up with zero-std groups (loss mask 0);
+    the sequence normalisers (grpo, sapo, dr_grpo) count the trained sequences only, so the varied
+    groups' gradient does not shrink by varied / all."""
+    batch = stand_in_rollout(monkeypatch, [1, 0, 2, 4], 2)  # only prompt 1's group varies: + 1 filler
+    assert batch.trained.tolist() == [True, True, False, False]
+    for loss_type in ("grpo", "sapo", "dr_grpo"):
+        count, scale = gc.loss_normaliser(loss_type, batch, 1, 1)
+        assert count.item() == 2 and scale == 1.0, loss_type  # not 4
+    count, _ = gc.loss_normaliser("dapo", batch, 1, 1)
+    assert count.item() == batch.loss_mask.sum().item()  # tokens: the fillers have none
+
+
+def test_weight_decay_skips_biases_and_norms(tiny_model):
+    """Issue 36 item 3: AdamW decays the matrices only, as HF's Trainer (and so TRL) does."""
+    cfg = gc.Config(model=tiny_model(), weight_decay=0.1)
+    trainer = gc.build_trainer(cfg, cpu_env(), SimpleNamespace(checkpointing=False), None)
+    decayed, exempt = trainer.optimizer.param_groups
+    names = {id(p): n for n, p in trainer.policy.named_parameters()}
+    assert decayed["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
+    assert all(p.ndim == 2 for p in decayed["params"]) and len(decayed["params"]) > 0
+    kinds = {names[id(p)].split(".")[-2] for p in exempt["params"]}  # the module of each .weight
+    assert kinds == {"input_layernorm", "post_attention_layernorm", "norm"}, kinds
+
+
+@pytest.mark.parametrize("config,extra,feature", [
+    ("PhiConfig", {}, "lm_head has a bias"),
+    ("GraniteConfig", {"logits_scaling": 8.0}, "logits are scaled"),
+    ("CohereConfig", {}, "logits are scaled"),
+    ("GptOssConfig", {"num_local_experts": 2, "num_experts_per_tok": 1, "layer_types": ["full_attention"]},
+     "attention sinks"),
+])
+def test_output_layer_features_are_refused(config, extra, feature):
+    """Issue 36 item 4: what the trainer's logprobs leave out (an lm_head bias, scaled logits,
+    attention sinks) is refused at start, naming the feature, not caught later by the probe."""
+    import transformers
+
+    config = getattr(transformers, config)(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                           max_position_embeddings=256, **extra)
+    cfg = gc.Config(max_prompt_length=64, max_completion_length=64)
+    with pytest.raises(gc.ConfigError, match=f"--model: .*{feature}"):
+        gc.check_model(cfg, config)
+
+
+def test_logged_means_as_trl(world_of_one):
+    """Issue 36 item 6: a reward function's None stays out of its mean (nanmean), an unscorable
+    completion out of the reward's; the entropy is a mean over the loss tokens; the logprob gap over
+    the tokens vLLM gave a logprob."""
+    nan = math.nan
+    per_func = torch.tensor([[1.0, nan], [nan, nan], [0.0, 1.0], [1.0, nan]])  # 2 functions
+    rewards = torch.tensor([1.0, nan, 1.0, 1.0])  # weights 1, 1: nansum; all-None: NaN
+    stats = {"rewards": rewards, "rewards_per_func": per_func, "advantages": torch.zeros(4),
+             "zero_std": torch.zeros(2), "lengths": torch.tensor([3.0, 3, 3, 3]), "truncated": torch.zeros(4),
+             "generated_groups": 2, "varied_groups": 2, "generated_tokens": 12, "prompt_tokens": 8,
+             "tool_calls": 0, "tool_failures": 0, "turns": 4}
+    train_stats = {"loss": 0.0, "tokens": 6.0, "completion_tokens": 12.0, "entropy": 3.0,
+                   "logprob_gap": 0.5, "gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
+                   "clip_ratio/region": 0.0, "grad_norm": 1.0, "skipped": 0.0}
+    funcs = [SimpleNamespace(__name__="a"), SimpleNamespace(__name__="b")]
+    ledger = {"fwd_bwd": 1.0, "optimizer": 1.0}
+    m = gc.reduce_metrics(gc.Config(), cpu_env(), SimpleNamespace(stats=stats), train_stats, ledger, {}, 1,
+                          {}, funcs)
+    assert m["reward"] == 1.0 and m["reward_std"] == 0.0  # over the 3 scored completions
+    assert m["rewards/a"] == 2 / 3 and m["rewards/b"] == 1.0  # each over what it scored
+    assert m["entropy"] == 0.5 and m["logprob_gap"] == 0.1  # / loss tokens, / tokens with a vLLM logprob
+
+
+def test_train_step_entropy_and_gap_over_their_tokens(world_of_one, monkeypatch):
+    """Issue 36 item 6, train_step's side: the entropy sums over the loss tokens (a truncated
+    completion masked out is not in it); the gap's tokens leave out a NaN vLLM logprob."""
+    policy = gc.Policy(tiny_llama())
+    prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7, 8]]
+    batch = train_batch(prompts, completions, [1.0, -1.0])
+    batch.loss_mask[1] = 0  # a masked truncated completion
+    with torch.no_grad():
+        _, entropy = policy(*gc.pack(prompts, completions, batch.model_mask), batch.model_mask, 1.0)
+    batch.vllm_logps = torch.zeros(batch.model_mask.shape)  # not the model's: the canary is not read here
+    batch.vllm_logps[0, 1] = math.nan
+    monkeypatch.setattr(gc, "check_gap", lambda gap, env, step, what: gap)
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    stats = gc.train_step(policy, StepGradients(policy), NO_SCHEDULE, batch, cfg, cpu_env(), BUDGET, {}, 1)
+    assert close(stats["entropy"], entropy[0, :2].sum(), 1e-5)  # the first completion's 2 tokens only
+    assert stats["gap_tokens"] == 4 and stats["completion_tokens"] == 5
+
+
+def test_resume_refuses_other_training_rows(tiny_model, tmp_path, monkeypatch, capsys):
+    """Issue 35 item a: a checkpoint records what identifies its training rows (their number and a
+    digest of their prompt ids). Resumed with other rows (the dataset's content changed; --tools,
+    which change which prompts fit) it is refused before any engine starts, naming the flag."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 3))
+    out = tmp_path / "out"
+    flags = ["--model", tiny_model(), "--dataset", str(data), "--max_prompt_length", "64",
+             "--max_completion_length", "8", "--num_eval", "2", "--output_dir", str(out)]
+    cfg = gc.parse_args(flags)
+    _, train_rows, _ = gc.prepare_data(cfg)
+    ckpt = out / "checkpoint-3"
+    ckpt.mkdir()
+    genuine_checkpoint(ckpt)
+    torch.save({"step": 3, "data_position": 12, "rows": gc.rows_digest(train_rows)}, ckpt / "trainer_state.pt")
+    (ckpt / "grpo_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    resume = [*flags, "--resume_from_checkpoint", str(ckpt)]
+    _, _, inputs, error = gc.check_inputs(resume)  # the same rows: fine
+    assert error is None and inputs.state["step"] == 3
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS[::-1] * 3))  # the same rows, in another order
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        gc.check_inputs(resume)
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err
+    assert "error: --dataset: the training rows (28 rows, " in said and "are not the checkpoint's (28 rows" in said
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 3))
+    with pytest.raises(gc.ConfigError, match="--tools: is \\['calculator'\\], but the checkpoint's run had \\[\\]"):
+        gc.parse_args([*resume, "--tools", "calculator"])
+
+
+class SlowStr:
+    def __str__(self):
+        raise RuntimeError("cannot render")
+
+
+def test_tools_are_bounded(tmp_path):
+    """Issue 35 item c: a stuck tool fails after the timeout, naming the tool; a result that str()
+    cannot render is a failed call, not a crash; a result is cut to MAX_RESULT_CHARS."""
+    import time
+
+    tools = {"stuck": lambda: time.sleep(30), "bad": lambda: SlowStr(), "long": lambda: "x" * 10_000}
+    start = time.perf_counter()
+    failed, message = rf.call_tool(tools, '{"name": "stuck", "arguments": {}}', timeout=0.5)
+    assert failed and "tool stuck ran past 0.5 s" in message["content"] and time.perf_counter() - start < 5
+    failed, message = rf.call_tool(tools, '{"name": "bad", "arguments": {}}')
+    assert failed and "cannot render" in message["content"]
+    failed, message = rf.call_tool(tools, '{"name": "long", "arguments": {}}')
+    assert not failed and message["content"] == "x" * rf.MAX_RESULT_CHARS
+
+
+class TurnParams(msgspec.Struct):  # stands in for SamplingParams in tool_turns
+    n: int = 1
+    seed: int = 0
+    max_tokens: int = 8
+
+
+def test_tool_calls_per_turn_are_capped(smol_tokenizer, world_of_one):
+    """Issue 35 item c: a turn that writes 12 calls runs the first MAX_CALLS_PER_TURN."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    turn = smol_tokenizer(call * 12, add_special_tokens=False)["input_ids"] + [smol_tokenizer.eos_token_id]
+    samples = [gc.add_turn(SimpleNamespace(token_ids=turn, finish_reason="stop", logprobs=None))]
+    cfg = gc.Config(tools=["calculator"], max_tool_calling_iterations=1, max_completion_length=4096)
+    engine = StandInEngine()
+    counts = gc.tool_turns(engine, cfg, SimpleNamespace(tp=1, rank=0), smol_tokenizer, [[1, 2]], samples,
+                           TurnParams())
+    assert counts["tool_calls"] == rf.MAX_CALLS_PER_TURN == 8 and counts["tool_failures"] == 0
+
+
+def test_a_template_that_cannot_render_a_tool_result_is_refused_at_start(tmp_path):
+    """Issue 35 item c: Mistral's tool_call_id check, Gemma's role alternation: refused when the data
+    loads, naming --tools, not at the first call."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    tok.chat_template = ("{% for m in messages %}{% if m.role == 'tool' %}"
+                         "{{ raise_exception('tool messages need a tool_call_id') }}{% endif %}"
+                         "{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    tok.save_pretrained(tmp_path)
+    cfg = gc.parse_args(["--tools", "calculator", "--model", str(tmp_path), "--num_eval", "2",
+                         "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(gc.ConfigError, match="--tools: the model's chat template cannot render a tool result"):
+        gc.prepare_data(cfg)
+
+
+def disagreeing_ranks(out):
+    """Each of 2 torchrun ranks (test_ranks_that_decided_apart_stop_together): rank 1's memory plan
+    chose no sleep, rank 0's sleep; both stop in agree_at_start. Prints what rank 0 said."""
+    import contextlib
+
+    cfg = gc.parse_args(["--output_dir", out])
+    env = gc.setup_env(cfg)
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        try:
+            gc.setup_distributed(cfg, env, None, {"sleep": env.rank == 0, "checkpoint": ""})
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    if env.rank == 0:
+        print("RESULT", json.dumps({"code": code, "said": said.getvalue()}), flush=True)
+
+
+def test_ranks_that_decided_apart_stop_together(tmp_path):
+    """Issue 35 item d: every rank's start-up decisions are gathered once and compared; ranks that
+    decided apart (sleep mode on mixed GPUs) all stop, naming the flag."""
+    r = run_processes("disagreeing_ranks", tmp_path / "out", nproc=2)
+    assert r["code"] == 2
+    assert "error: --vllm_enable_sleep_mode: the ranks disagree on sleep ([True, False])" in r["said"]
+
+
+def test_tp_groups_do_not_span_nodes(monkeypatch):
+    """Issue 35 item h: 4 ranks on 2 nodes of 2: tp 4 would put one engine across the nodes."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(gc.ConfigError, match="--vllm_tensor_parallel_size: is 4; a TP group may not span nodes"):
+        gc.parse_args(["--vllm_tensor_parallel_size", "4"])
+    gc.parse_args(["--vllm_tensor_parallel_size", "2"])
+
+
+def test_lora_target_on_lm_head_is_refused(tmp_path):
+    """Issue 35 item f: the logprobs read lm_head's base weight, so an adapter there never trains."""
+    tiny_llama(tie=False).save_pretrained(tmp_path)
+    cfg = gc.Config(model=str(tmp_path), use_peft=True, lora_target_modules=["q_proj", "lm_head"],
+                    max_prompt_length=128, max_completion_length=128)
+    with pytest.raises(gc.ConfigError, match="--lora_target_modules: lm_head: the push merges"):
+        gc.check_model(cfg, gc.load_model_config(cfg))
+
+
+class PrefixRecorder(RecordingEngine):
+    """RecordingEngine that scores the probe (logprob 0 per token) and counts prefix-cache resets."""
+    resets = 0
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def generate(self, requests, params, use_tqdm=False):
+        if getattr(params, "prompt_logprobs", None) == 0:  # the parity probe
+            ids = requests[0]["prompt_token_ids"]
+            logprobs = [None] + [{t: SimpleNamespace(logprob=0.0)} for t in ids[1:]]
+            return [SimpleNamespace(prompt_logprobs=logprobs)]
+        return super().generate(requests, params, use_tqdm)
+
+
+def test_prefix_cache_reset_after_the_probe_and_the_eval(smol_tokenizer, world_of_one):
+    """Issue 35 item g: the probe's and the eval's KV blocks would serve the next rollout's prefix
+    hits (a resume at an eval step would not be exact in bf16): both reset the prefix cache."""
+    engine = PrefixRecorder()
+    gc.parity_gap(engine, gc.Policy(tiny_llama(vocab=len(smol_tokenizer))), [1, 2, 3], cpu_env())
+    assert engine.resets == 1
+    rows = [{"prompt": "p", "answer": "1", "prompt_ids": [10, 11]}]
+    cfg = gc.Config(reward_funcs=["reward_len"])
+    gc.evaluate(engine, cfg, cpu_env(tp_group=None), smol_tokenizer, rows, [rf.reward_len], 1)
+    assert engine.resets == 2
+
+
+def test_a_tracker_that_fails_to_close_fails_no_finished_run(tiny_model, smol_tokenizer, tmp_path, monkeypatch,
+                                                              world_of_one):
+    """Issue 35 item h: rank 0's teardown (the tracker's close) is guarded: a finished, saved run
+    returns to main's final barrier instead of leaving its peers there."""
+    def close():
+        raise OSError("the tracker's disk is gone")
+    monkeypatch.setattr(gc, "make_logger", lambda cfg, env: SimpleNamespace(write=lambda r: None, close=close))
+    monkeypatch.setattr(gc, "make_engine", lambda *args: RecordingEngine())
+    monkeypatch.setattr(gc, "push_weights", lambda *args: 0)
+    monkeypatch.setattr(gc, "parity_gap", lambda *args: 0.0)
+    cfg = gc.Config(model=tiny_model(engine=True), num_generations=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=1, max_steps=1, eval_steps=0, save_steps=-1,
+                    vllm_importance_sampling_correction=False, reward_funcs=["reward_len"],
+                    output_dir=str(tmp_path))
+    rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
+    plan = SimpleNamespace(tokens=BUDGET, checkpointing=False, sleep=False, why="off")
+    gc.run(cfg, cpu_env(), SimpleNamespace(model_config=None, data=(smol_tokenizer, rows, rows[:1]), state=None,
+                                           plan=plan))
+
+
+def test_a_none_reward_through_score_and_make_batch(monkeypatch):
+    """Issue 36 item 9: a None passes through score() as NaN; a completion every function returns
+    None for is NaN in the weighted sum (a single None counts 0 there), stays out of its group's
+    mean and std, and gets advantage 0."""
+    def half(prompts, completions, **columns):  # None for completion 0 of every prompt
+        return [None if j % 2 == 0 else 1.0 for j in range(len(completions))]
+
+    def ones_but_first(prompts, completions, **columns):  # None for the very first completion
+        return [None if j == 0 else 1.0 for j in range(len(completions))]
+    batch = stand_in_rollout(monkeypatch, [1, 3], 1, funcs=(half, ones_but_first))
+    table = batch.stats["rewards_per_func"]
+    assert math.isnan(table[0, 0]) and math.isnan(table[0, 1]) and math.isnan(table[2, 0])
+    rewards = batch.stats["rewards"]
+    assert math.isnan(rewards[0]) and rewards[1] == 2.0 and rewards[2] == 1.0 and rewards[3] == 2.0
+    # group 0: completion 0 left out (A = 0); the other alone: no std, A = 0. Group 1: 1.0 and 2.0
+    assert batch.advantages[0] == 0 and batch.advantages[1] == 0
+    assert batch.advantages[2] < 0 < batch.advantages[3]
+
+
+def test_e2e_lora_dropout_checks_every_step_and_resumes_with_your_rates(tiny_model, tmp_path, monkeypatch):
+    """Issue 36 item 5: with --lora_dropout the training forward is noisy; the old logprobs (the IS
+    weights' and the canary's) come from a dropout-free pass, so the fp32 canary (1e-4) passes at
+    step 2, after B has moved. Issue 35 item f: that LoRA checkpoint resumed without --use_peft is
+    refused; resumed with another --learning_rate and --weight_decay, AdamW takes them."""
+    out = str(tmp_path / "out")
+    flags = ["--model", tiny_model(engine=True), "--use_peft", "--lora_dropout", "0.5", "--num_generations", "4",
+             "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+             "--max_prompt_length", "96", "--max_completion_length", "8", "--num_eval", "4",
+             "--reward_funcs", "reward_len", "--learning_rate", "1e-2", "--eval_steps", "0", "--max_steps", "2"]
+    run_trainer([*flags, "--save_steps", "1", "--output_dir", out], nproc=1)
+    steps = [r for r in read_metrics(out) if "reward" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["canary_gap"] < 1e-4 for r in steps)
+    ckpt = os.path.join(out, "checkpoint-1")
+    without = [f for f in flags if f != "--use_peft"]
+    with pytest.raises(gc.ConfigError, match="--use_peft: .*its LoRA adapter/ is there"):
+        gc.parse_args([*without, "--output_dir", out, "--resume_from_checkpoint", ckpt])
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    cfg = gc.parse_args([*flags, "--learning_rate", "3e-2", "--weight_decay", "0.5", "--output_dir", out,
+                         "--resume_from_checkpoint", ckpt])
+    trainer = gc.build_trainer(cfg, cpu_env(), SimpleNamespace(checkpointing=False), gc.read_checkpoint_state(ckpt))
+    group = trainer.optimizer.param_groups[0]  # the adapters: decayed
+    assert group["weight_decay"] == 0.5 and close(group["lr"], 3e-2 * (1 - 1 / 2), 1e-12)  # linear, at step 1
+    assert len(trainer.optimizer.state) > 0  # AdamW's moments, from the checkpoint
+
+
+def test_two_first_runs_convert_the_embedded_model_once(tmp_path):
+    """Issue 36 item 8: two runs started together both convert the GGUF; the second to finish
+    accepts the first's complete conversion instead of failing on its rename."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MODEL_DIR": str(tmp_path / "model"),
+           "PYTHON": os.path.join(HERE, ".venv", "bin", "python")}
+    if not os.path.exists(env["PYTHON"]):
+        env["PYTHON"] = sys.executable
+    runs = [subprocess.Popen(["bash", os.path.join(HERE, "run.sh"), "--help"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    logs = [run.communicate(timeout=600)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [log[-3000:] for log in logs]
+    assert os.path.isfile(tmp_path / "model" / "model.safetensors")
+    assert sorted(os.listdir(tmp_path)) == ["model"]  # no conversion left half-way
 
 
 # `python test_grpo_colocate.py NAME ARGS...`: the processes that the tests above start
