@@ -1486,9 +1486,9 @@ def parse_args(argv=None) -> Config:
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, prog="grpo_colocate.py", description=__doc__.split("\n")[0])
 
-    def refuse(message):  # argparse would print and exit; here it is a ConfigError like the rest
-        # "argument --loss_type/--loss-type: invalid choice: ..." -> "--loss_type: invalid choice: ..."
-        raise ConfigError(re.sub(r"^argument (--\w+)(/--[\w-]+)*", r"\1", message))
+    def refuse(message):  # argparse would print and exit; a ConfigError, as every bad input
+        flags, _, why = message.removeprefix("argument ").partition(": ")  # --a_b/--a-b: why
+        raise ConfigError(f"{flags.split('/')[0]}: {why}")
     parser.error = refuse
     try:
         (cfg,) = parser.parse_args_into_dataclasses(argv)

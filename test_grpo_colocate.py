@@ -1091,7 +1091,7 @@ def test_a_tool_needs_a_schema_and_a_chat_template(tmp_path):
 
 def test_use_peft_needs_peft_and_an_adapter_to_resume(tmp_path, monkeypatch):
     genuine_checkpoint(tmp_path)  # a full fine-tuning checkpoint: no adapter/
-    with pytest.raises(gc.ConfigError, match="^--use_peft: the checkpoint to resume holds no LoRA adapter"):
+    with pytest.raises(gc.ConfigError, match="^--use_peft: pass it as the checkpoint.s run did: its LoRA adapter/ is missing"):
         gc.parse_args(["--use_peft", "--resume_from_checkpoint", str(tmp_path), "--output_dir", str(tmp_path / "out")])
     monkeypatch.setitem(sys.modules, "peft", None)  # not installed
     with pytest.raises(gc.ConfigError, match="^--use_peft: is True; pip install peft"):
@@ -1105,7 +1105,7 @@ def test_lora_on_an_embedding_is_refused(tmp_path):
     for targets in (["embed_tokens"], ["q_proj", "model.embed_tokens"]):
         cfg = gc.Config(model=str(tmp_path), use_peft=True, lora_target_modules=targets,
                         max_prompt_length=128, max_completion_length=128)  # the tiny context: 256
-        with pytest.raises(gc.ConfigError, match="--lora_target_modules: model.embed_tokens is an"):
+        with pytest.raises(gc.ConfigError, match="--lora_target_modules: model.embed_tokens: the push merges"):
             gc.check_model(cfg, gc.load_model_config(cfg))
     cfg = dataclasses.replace(cfg, lora_target_modules=["q_proj", "v_proj"])
     gc.check_model(cfg, gc.load_model_config(cfg))  # Linear layers: fine
@@ -1216,7 +1216,12 @@ def test_model_missing():
         gc.load_model_config(gc.Config(model="/nonexistent/model-dir"))
 
 
-SMOL_SHAPE = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192)
+def smol_shape(**extra):
+    """A config of SmolLM2's shape (9 attention / 3 KV heads, 8,192 positions), one small layer."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_attention_heads=9, num_key_value_heads=3, hidden_size=72, intermediate_size=64,
+                       num_hidden_layers=1, vocab_size=64, max_position_embeddings=8192, **extra)
 
 
 @pytest.mark.parametrize("flags,flag", [
@@ -1226,16 +1231,16 @@ SMOL_SHAPE = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, max_p
 ])
 def test_model_shape_checks(flags, flag):
     with pytest.raises(gc.ConfigError, match=flag):
-        gc.check_model(gc.Config(**flags), SMOL_SHAPE)
-    gc.check_model(gc.Config(vllm_tensor_parallel_size=3), SMOL_SHAPE)  # fine
+        gc.check_model(gc.Config(**flags), smol_shape())
+    gc.check_model(gc.Config(vllm_tensor_parallel_size=3), smol_shape())  # fine
 
 
 @pytest.mark.parametrize("capping", ["attn_logit_softcapping", "final_logit_softcapping"])
 def test_soft_capped_models_are_refused(capping):
     """Gemma-2's soft-capped logits: neither the packed attention nor the logprobs cap them."""
     with pytest.raises(gc.ConfigError, match=capping):
-        gc.check_model(gc.Config(), SimpleNamespace(**vars(SMOL_SHAPE), **{capping: 30.0}))
-    gc.check_model(gc.Config(), SimpleNamespace(**vars(SMOL_SHAPE), **{capping: None}))  # Gemma-3
+        gc.check_model(gc.Config(), smol_shape(**{capping: 30.0}))
+    gc.check_model(gc.Config(), smol_shape(**{capping: None}))  # Gemma-3
 
 
 ORDER_FLAGS = [("model", "someone/else"), ("seed", 7), ("dataset", "openai/gsm8k"),
@@ -1341,7 +1346,7 @@ def test_a_model_with_its_own_code_is_refused_unless_trusted(tmp_path):
 def test_pickled_weights_are_refused(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(gc.ConfigError, match="--model: .*safetensors"):
-        gc.check_model(gc.Config(model=str(tmp_path)), SMOL_SHAPE)
+        gc.check_model(gc.Config(model=str(tmp_path)), smol_shape())
 
 
 def data_config(tmp_path, rows, **flags):
@@ -1449,6 +1454,9 @@ class RecordingEngine:
 
     def wake_up(self, tags):  # the weights, then the KV cache: awake once both are back
         self.awake = self.awake or tags == ["kv_cache"]
+
+    def reset_prefix_cache(self):
+        pass
 
     def generate(self, requests, params, use_tqdm=False):
         def sample():
@@ -1608,9 +1616,9 @@ def _save_twice_and_die(out, store):
     trainer = SimpleNamespace(lm=policy.lm, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()))
     args = (gc.Config(output_dir=out), SimpleNamespace(is_main=True, device=torch.device("cpu")))
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    gc.save_checkpoint(*args, 1, trainer, tokenizer, 4)
+    gc.save_checkpoint(*args, 1, trainer, tokenizer, 4, [])
     torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed half-way through the second save
-    gc.save_checkpoint(*args, 2, trainer, tokenizer, 8)
+    gc.save_checkpoint(*args, 2, trainer, tokenizer, 8, [])
 
 
 def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
@@ -1622,28 +1630,29 @@ def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
     child.start()
     child.join(120)
     assert child.exitcode == -signal.SIGKILL
-    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2.tmp"]  # the half-written one is only a tmp dir
+    # the half-written one is only a tmp dir, and `latest` still names checkpoint-1
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "checkpoint-2.tmp", "latest"]
     AutoModelForCausalLM.from_pretrained(os.path.join(out, "checkpoint-1"))
     assert gc.read_checkpoint_state(os.path.join(out, "checkpoint-1"))["step"] == 1
     assert gc.latest_checkpoint(out) == os.path.join(out, "checkpoint-1")
 
 
-def test_checkpoint_saves_over_a_leftover_old_dir(tmp_path, world_of_one):
-    """A kill between save_checkpoint's two renames leaves checkpoint-N.old: the next save of
-    step N still works."""
+def test_checkpoint_saves_over_an_abandoned_save_of_its_step(tmp_path, world_of_one):
+    """An abandoned branch's checkpoint-N (a run resumed from an older one reaches step N again) is
+    replaced whole by the new save, and `latest` names it."""
     from transformers import AutoTokenizer
 
     policy = gc.Policy(tiny_llama())
     trainer = SimpleNamespace(lm=policy.lm, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()))
     out = tmp_path / "out"
-    for leftover in ("checkpoint-1", "checkpoint-1.old"):  # an older save; a killed swap's rest
-        (out / leftover).mkdir(parents=True)
-        (out / leftover / "stale").write_text("x")
+    (out / "checkpoint-1").mkdir(parents=True)
+    (out / "checkpoint-1" / "stale").write_text("x")
     cfg = gc.Config(output_dir=str(out))
     env = SimpleNamespace(is_main=True, device=torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    gc.save_checkpoint(cfg, env, 1, trainer, tokenizer, 4)
-    assert sorted(os.listdir(out)) == ["checkpoint-1"]
+    gc.save_checkpoint(cfg, env, 1, trainer, tokenizer, 4, [])
+    assert sorted(os.listdir(out)) == ["checkpoint-1", "latest"]
+    assert gc.latest_checkpoint(str(out)) == str(out / "checkpoint-1")
     assert gc.read_checkpoint_state(str(out / "checkpoint-1"))["data_position"] == 4
     assert not (out / "checkpoint-1" / "stale").exists()
 
@@ -1793,7 +1802,7 @@ def test_tool_results_as_the_chat_template_renders_them():
 
     tok = AutoTokenizer.from_pretrained(MODEL)
     tools = [get_json_schema(rf.calculator)]
-    suffix = gc.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": "5"}])
+    suffix = rf.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator", "content": "5"}])
     # after the turn's EOS (<|im_end|>): SmolLM2's generic role block, the next assistant header
     assert tok.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
     # SmolLM2's template has no tools section: the tools go in a system message (the Hermes format)
@@ -2094,7 +2103,7 @@ def fsdp_vs_ddp_ranks(model, out):
     from transformers import AutoTokenizer
 
     trainer = SimpleNamespace(lm=gc.unwrap(fsdp[0]).lm, policy=fsdp[0], optimizer=fsdp[1])
-    ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, trainer, AutoTokenizer.from_pretrained(model), 0)
+    ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, trainer, AutoTokenizer.from_pretrained(model), 0, [])
     # the resume as the trainer does it: the weights, AdamW's state, the schedule at step 2 (reading
     # the state checks the DCP metadata of FSDP2 too)
     resumed_cfg = dataclasses.replace(fsdp_cfg, resume_from_checkpoint=ckpt)
@@ -2521,7 +2530,7 @@ for k, ids in enumerate(batch.completion_ids):
     for (_, a, b), (kind, c, d) in zip(turns, turns[1:]):
         if kind == 0:  # the results of the model turn's calls, as the template renders them
             calls = gc.reward_fns.TOOL_CALL.findall(tokenizer.decode(ids[a:b]))
-            want = gc.tool_suffix_ids(tokenizer, [gc.reward_fns.call_tool(tools, c)[1] for c in calls])
+            want = gc.reward_fns.tool_suffix_ids(tokenizer, [gc.reward_fns.call_tool(tools, c)[1] for c in calls])
             assert ids[c:d] == want, (tokenizer.decode(ids[c:d]), tokenizer.decode(want))
             assert ids[b - 1] == tokenizer.eos_token_id  # the model's turn ended with its EOS
     tool = [t for t, m in enumerate(mask) if m == 0]
@@ -3098,7 +3107,8 @@ def boom_on_rank_1(prompts, completions, **columns):
     the kind: ValueError (a crash) or ConfigError (a bad input found late)."""
     boom_on_rank_1.calls = getattr(boom_on_rank_1, "calls", 0) + 1
     if os.environ["RANK"] == "1" and boom_on_rank_1.calls == 3:
-        raise {"ValueError": ValueError, "ConfigError": gc.ConfigError}[os.environ["BOOM"]]("boom on rank 1")
+        trainer = sys.modules["__main__"]  # (torchrun runs grpo_colocate.py as __main__)
+        raise {"ValueError": ValueError, "ConfigError": trainer.ConfigError}[os.environ["BOOM"]]("boom on rank 1")
     return [0.0] * len(completions)
 
 
