@@ -12,11 +12,10 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD \
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
-Reading order: Config, then the parts of one step in the order it runs them (1-6), then the loop
-that calls them (7: generate, score, advantages, train, push, log). The appendix (A-G) is the
-machinery: setup, input checks, data, checkpoints, the memory plan, metrics, the CLI.
-Shapes: P prompts, G completions per prompt, N = P G, T the longest completion, L the tokens of a
-packed micro-batch, H the hidden size, V the vocabulary, R reward functions.
+Reading order: Config; the parts of one step in the order it runs them (1-6); the loop (7). The
+appendix (A-G) is machinery: setup, input checks, data, checkpoints, memory plan, metrics, CLI.
+Shapes: P prompts, G completions each, N = P G, T the longest completion, L a packed micro-batch's
+tokens, H the hidden size, V the vocabulary, R reward functions.
 
 Implemented (README.md, Variants: each flag beside its paper):
     GRPO (DeepSeekMath): group-relative advantages, the clipped surrogate, k3 KL to a frozen
@@ -78,8 +77,8 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import reward_fns  # noqa: E402
 
-CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "grpo_colocate")
-DEFAULT_MODEL = os.path.join(CACHE, "SmolLM2-135M-Instruct")  # converted from its GGUF by run.sh
+CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+DEFAULT_MODEL = os.path.join(CACHE, "grpo_colocate", "SmolLM2-135M-Instruct")  # run.sh converts it
 
 
 # ===== Config: one flat dataclass, TRL's GRPOConfig names; every field a --flag ===================
@@ -119,8 +118,8 @@ class Config:
     # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: none is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (only num_iterations > 1)")
-    epsilon_high: float = arg(0.0, "upper clip 1 + epsilon_high (0: epsilon); cispo: its cap (0: 5)")
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = arg("dapo", "NORMALISERS")
+    epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: epsilon); cispo: its cap (0: 5)")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = arg("dapo", "see grpo_loss")
     sapo_temperature_pos: float = arg(1.0, "sapo: the gate's temperature where advantage > 0")
     sapo_temperature_neg: float = arg(1.05, "sapo: the gate's temperature elsewhere")
     use_bias_correction_kl: bool = arg(True, "multiply the k3 KL by the ratio (TRL's default)")
@@ -128,7 +127,7 @@ class Config:
     mask_truncated_completions: bool = arg(False, "no loss on completions cut at the limit")
     vllm_importance_sampling_correction: bool = arg(True, "reweight the loss by pi / pi_vllm")
     vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = arg("sequence_mask", "truncate: cap w; mask: zero it")
+                                           "sequence_mask"] = arg("sequence_mask", "w's cap or 0")
     vllm_importance_sampling_clip_max: float = arg(3.0, "the importance weight's cap")
     importance_sampling_level: Literal["token", "sequence"] = arg("token", "sequence: GSPO")
     top_entropy_quantile: float = arg(1.0, "rho: the policy term keeps the top rho by entropy")
@@ -231,10 +230,10 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out; max_tokens: a tool turn's room per prompt.
-    vLLM samples the n completions of prompt i with seeds[i], seeds[i] + 1...: whatever the batch,
-    rank or RNG. So the ranks of a TP group sample alike: they gather their requests, generate
-    them once on their shared engine, and each slices its own outputs back (checked)."""
+    """Token ids in, one RequestOutput per prompt out (max_tokens: a tool turn's room per prompt).
+    vLLM samples the n completions of prompt i with seeds[i], seeds[i] + 1... whatever the batch or
+    the rank: the ranks of a TP group gather their requests, run them once on their shared engine
+    and each slices its own outputs back, sampled alike (checked)."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
@@ -244,7 +243,8 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
         dist.all_gather_object(everyone, requests, group=env.tp_group)
     group_requests = sum(everyone, [])
     prompts = [{"prompt_token_ids": ids} for ids, _, _ in group_requests]
-    per_request = [replace(params, seed=s, max_tokens=m or params.max_tokens) for _, s, m in group_requests]
+    per_request = [replace(params, seed=s, max_tokens=m or params.max_tokens)
+                   for _, s, m in group_requests]
     outputs = llm.generate(prompts, per_request, use_tqdm=False)
     if env.tp > 1:  # hash() of ints and tuples is stable across processes
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
@@ -284,7 +284,8 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
         for k in took_turn:
             sample = samples[k]
             calls = reward_fns.TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
-            results = [reward_fns.call_tool(tools, c) for c in calls[:reward_fns.MAX_CALLS_PER_TURN]]
+            calls = calls[:reward_fns.MAX_CALLS_PER_TURN]
+            results = [reward_fns.call_tool(tools, call) for call in calls]
             counts["tool_calls"] += len(results)
             counts["tool_failures"] += sum(failed for failed, _ in results)
             messages = [message for _, message in results]
@@ -303,7 +304,8 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
         seeds = None  # greedy: the eval
         if positions:  # completion j of the prompt at position i: turn t's seed (seed, i, j, t)
             G = cfg.num_generations
-            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn) for k in active]
+            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
+                     for k in active]
         requests = [prompt_ids[k] + samples[k].token_ids for k in active]
         room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
         for k, out in zip(active, generate(llm, env, requests, replace(params, n=1), seeds, room)):
@@ -412,7 +414,7 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
                                            batch_first=True)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in samples])
-    # the sequences trained: not the uninformative groups that filled a short step (dynamic sampling)
+    # the sequences trained: not dynamic sampling's uninformative groups that filled a short step
     trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
     if cfg.dynamic_sampling_factor > 1:
         trained = ~flat.repeat_interleave(G)
@@ -424,13 +426,12 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
         vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in samples])
     stats.update(rewards=rewards, rewards_per_func=rewards_per_func, advantages=advantages,
-                 zero_std=zero_std.float(),
-                 lengths=model_mask.sum(1).float(), truncated=truncated.float(),
-                 prompt_tokens=sum(map(len, prompt_ids)))
+                 zero_std=zero_std.float(), lengths=model_mask.sum(1).float(),
+                 truncated=truncated.float(), prompt_tokens=sum(map(len, prompt_ids)))
     return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
-                           model_mask=model_mask, loss_mask=loss_mask, trained=trained, advantages=advantages,
-                           vllm_logps=vllm_logps, old_logps=None, ref_logps=None, rows=rows,
-                           stats=stats)
+                           model_mask=model_mask, loss_mask=loss_mask, trained=trained,
+                           advantages=advantages, vllm_logps=vllm_logps, old_logps=None,
+                           ref_logps=None, rows=rows, stats=stats)
 
 
 # ===== 4. Per-token logprobs and the loss: the math that papers change ============================
@@ -454,7 +455,8 @@ def kept_tokens(z, targets, temperature, top_k, top_p):
     boundary: its logp stays finite); None when nothing is filtered."""
     if top_k == 0 and top_p == 1:
         return None
-    return top_k_top_p_mask(z.float() / temperature, top_k, top_p).scatter_(-1, targets[:, None], True)
+    keep = top_k_top_p_mask(z.float() / temperature, top_k, top_p)
+    return keep.scatter_(-1, targets[:, None], True)
 
 
 def logit_stats(z, targets, temperature, keep=None):
@@ -570,11 +572,12 @@ class Policy(nn.Module):
 
 
 # What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's): the one
-# decision a new loss makes here, read by grpo_loss and loss_normaliser. N: the global sequences.
-#   "sequences"   sum_i [ sum_t l m / sum_t m ] / N       each sequence weighs the same    grpo, sapo
-#   "tokens"      sum_it l m / (the global batch's loss tokens)     a token mean         dapo, cispo
-#   "constant"    sum_it l m / (N max_completion_length)  no length bias (Dr. GRPO)        dr_grpo
-#   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)         bnpo
+# decision a new loss makes here, read by grpo_loss and loss_normaliser. N: the global batch's
+# trained sequences.
+#   "sequences"   sum_i [ sum_t l m / sum_t m ] / N      each sequence weighs the same   grpo, sapo
+#   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
+#   "constant"    sum_it l m / (N max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
+#   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
 NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
                "dr_grpo": "constant", "bnpo": "micro_batch"}
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
@@ -593,7 +596,7 @@ def loss_normaliser(loss_type: str, batch, world: int, num_micro_batches: int):
         return None, 1.0 / num_micro_batches
     if normaliser == "tokens":
         return batch.loss_mask.sum(), float(world)  # [N, T] -> loss tokens
-    return batch.trained.sum(), float(world)  # the sequences trained (not dynamic sampling's fillers)
+    return batch.trained.sum(), float(world)  # sequences (not dynamic sampling's fillers)
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=None,
@@ -830,10 +833,11 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                     is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.model_mask,
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
-                keep = torch.ones_like(entropy)  # [b, T]: the tokens that learn (Wang et al.'s 80/20)
+                keep = torch.ones_like(entropy)  # [b, T]: the tokens that learn (the 80/20 rule)
                 if cfg.top_entropy_quantile < 1:
                     q = 1 - cfg.top_entropy_quantile
-                    keep = (entropy >= entropy_quantile(entropy, mb.loss_mask, q, env.world)).float()
+                    threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
+                    keep = (entropy >= threshold).float()
                 loss, loss_stats = grpo_loss(logps, old, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, keep, global_count)
                 # TRL's entropy bonus: c x the mean entropy of the micro-batch's learning tokens,
@@ -1081,8 +1085,8 @@ def run(cfg: Config, env, inputs):
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
             steps_on_batch = 0
-            # no-grad passes: the old logprobs of num_iterations > 1 or LoRA dropout (see train_step),
-            # and the reference's (beta > 0; LoRA: the policy with its adapters off)
+            # no-grad passes: the old logprobs of num_iterations > 1 or of LoRA dropout (see
+            # train_step), and the reference's (beta > 0; LoRA: the policy with its adapters off)
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
                     policy = unwrap(trainer.policy)
@@ -1109,9 +1113,11 @@ def run(cfg: Config, env, inputs):
                                f"the last checkpoint in {cfg.output_dir}")
 
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
-        if cfg.save_steps > 0 and step % cfg.save_steps == 0 or is_last_step and cfg.save_steps >= 0:
+        every = cfg.save_steps > 0 and step % cfg.save_steps == 0
+        if every or is_last_step and cfg.save_steps >= 0:
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position, train_rows)
+                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position,
+                                       train_rows)
             print0(f"saved {path}")
 
         # ======== push: the trained weights into the engine, which generates next
@@ -1178,8 +1184,7 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 
 def setup_env(cfg: Config) -> SimpleNamespace:
-    """Ranks from torchrun's environment, and the platform's ways, decided once: CUDA pushes in
-    place, sleeps and runs the varlen kernel; a CPU re-packs, never sleeps and runs sdpa."""
+    """This rank's place (torchrun's environment) and its platform's ways, decided once."""
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -1198,7 +1203,7 @@ def setup_env(cfg: Config) -> SimpleNamespace:
         local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         is_main=rank == 0,
         device=device,
-        dtype=torch.bfloat16 if cfg.dtype == "bfloat16" or cfg.dtype == "auto" and cuda else torch.float32,
+        dtype=torch.bfloat16 if cfg.dtype == "bfloat16" or cuda and cfg.dtype == "auto" else torch.float32,
         tp=cfg.vllm_tensor_parallel_size,
         engine_bytes=engine_bytes,
         push_in_place=cuda,  # else reload_weights: the CPU backend re-packs what it loads
@@ -1225,19 +1230,10 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
     env.tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
 
 
-# what every rank must have decided alike: fact -> (the flag to name, the fix)
-FACTS = {
-    "sleep": ("vllm_enable_sleep_mode", "GPUs of unequal memory plan apart: pass true or false"),
-    "checkpoint": ("resume_from_checkpoint", "every node must see the same checkpoint"),
-    "start": ("resume_from_checkpoint", "its step and data position: every node must read the same"),
-    "rows": ("dataset", "its training rows: every node must load the same data"),
-}
-
-
 def agree_at_start(cfg: Config, env, error, facts: dict):
     """Every rank stops alike, before any engine starts, on one rank's bad input (a path local to
-    a node) or a fact ranks decided apart. Every rank writes checkpoint shards in --output_dir:
-    rank 0 makes a file there that every rank must see."""
+    its node) or on facts {flag: value} that ranks decided apart. Every rank writes checkpoint
+    shards in --output_dir: a file rank 0 makes there, every rank must see."""
     marker = [""]
     if env.rank == 0 and not error:
         marker = [f".shared-{os.urandom(8).hex()}"]
@@ -1251,10 +1247,12 @@ def agree_at_start(cfg: Config, env, error, facts: dict):
     if marker[0] and env.rank == 0:
         os.remove(os.path.join(cfg.output_dir, marker[0]))
     failed = [e for e, _ in everyone if e]
-    for key, (flag, fix) in FACTS.items():
-        values = [f.get(key) for _, f in everyone]
+    for flag in facts:
+        values = [f.get(flag) for _, f in everyone]
         if len(set(map(repr, values))) > 1:
-            failed.append(f"--{flag}: the ranks disagree on {key} ({values}); {fix}")
+            failed.append(f"--{flag}: the ranks decided apart ({values}); every node must read "
+                          "the same (checkpoint, data), and sleep mode cannot be auto on GPUs of "
+                          "unequal memory")
     if failed:
         if env.rank == 0:
             print(f"error: {failed[0]}", file=sys.stderr, flush=True)
@@ -1298,8 +1296,7 @@ def cpu_kv_cache_bytes(cfg: Config, env, model_config) -> int:
 
 @contextmanager
 def quiet_engine_start(cuda: bool):
-    """Hide the warnings every start prints and none needs (for good) and, on CUDA, the CUDA-graph
-    bars (stderr held while the engine starts)."""
+    """Hide the warnings that every start prints and none needs, and CUDA's graph-capture bars."""
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
                 "torch.set_num_threads", "JIT compilation during inference",
@@ -1345,8 +1342,8 @@ def make_engine(cfg: Config, env, model_config, sleep: bool):
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
                      max_length_q=None, sliding_window=None, gqa=None, **kwargs):
-    """Packed attention on CUDA (torch's FlashAttention varlen kernel, bf16), causal within each
-    sequence: query [1, heads, L, D], key/value [1, kv_heads, L, D]; gqa: see load_lm."""
+    """Packed attention on CUDA (torch's varlen FlashAttention, bf16), causal in each sequence:
+    query [1, heads, L, D], key/value [1, kv_heads, L, D]."""
     from torch.nn.attention.varlen import varlen_attn
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)
                for x in (query, key, value))  # [L, (kv_)heads, D]
@@ -1361,7 +1358,8 @@ def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.
     from transformers import AttentionInterface, AutoModelForCausalLM
     if attention == "varlen":  # torch >= 2.12 wants enable_gqa; 2.11 shares KV heads unasked
         from torch.nn.attention.varlen import varlen_attn
-        gqa = {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+        shares_kv = "enable_gqa" not in inspect.signature(varlen_attn).parameters
+        gqa = {} if shares_kv else {"enable_gqa": True}
         AttentionInterface.register("varlen", functools.partial(varlen_attention, gqa=gqa))
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
                                               attn_implementation=attention,
@@ -1387,7 +1385,7 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
     # logprobs (a no-grad pass under dropout) are exact
     for name, m in lm.named_modules():
         if "lora_dropout" in name and isinstance(m, nn.Dropout):
-            m.register_forward_pre_hook(lambda m, args: setattr(m, "training", torch.is_grad_enabled()))
+            m.register_forward_pre_hook(lambda m, _: setattr(m, "training", torch.is_grad_enabled()))
     return lm.eval()
 
 
@@ -1405,8 +1403,9 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
     for layer in lm.get_decoder().layers if trainable and checkpointing else ():
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
     if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves it to the GPU a layer at a time
-        shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32),
-                     offload_policy=CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy())
+        precision = MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
+        shard = dict(mp_policy=precision, offload_policy=offload)
         for layer in lm.get_decoder().layers:
             fully_shard(layer, **shard)
         return fully_shard(policy, **shard)  # the root: embeddings, final norm, lm_head
@@ -1436,8 +1435,10 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     from transformers import get_scheduler
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
-    lm = load_lm(state and not cfg.use_peft and cfg.resume_from_checkpoint or cfg.model, load_to,
-                 env.attention, cfg.trust_remote_code)
+    weights = cfg.model  # LoRA: the base; its adapter comes from the checkpoint (add_lora)
+    if state and not cfg.use_peft:
+        weights = cfg.resume_from_checkpoint
+    lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
     # LoRA: the frozen base stays fp32, as full training's masters (a bf16 base rounds the
     # residual stream: a 1.5x wider trainer/vLLM gap at 1.5B, BENCHMARKS.md section 9)
     if cfg.use_peft:
@@ -1450,14 +1451,16 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     if cfg.beta > 0 and cfg.use_peft:  # LoRA's reference: the base, the policy without adapters
         reference = unwrap(policy)
     # weight decay on the matrices, not on biases and norms (HF's Trainer, so TRL's)
-    groups = [{"params": [], "weight_decay": cfg.weight_decay}, {"params": [], "weight_decay": 0.0}]
+    decay = {"params": [], "weight_decay": cfg.weight_decay}
+    no_decay = {"params": [], "weight_decay": 0.0}
     for name, p in policy.named_parameters():
-        exempt = p.ndim < 2 or "bias" in name or "norm" in name.lower()
-        groups[exempt]["params"] += [p] if p.requires_grad else []
-    groups = [g for g in groups if g["params"]]
+        if p.requires_grad:
+            exempt = p.ndim < 2 or "bias" in name or "norm" in name.lower()
+            (no_decay if exempt else decay)["params"].append(p)
+    groups = [g for g in (decay, no_decay) if g["params"]]
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate,
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
-    schedule = "constant_with_warmup" if cfg.lr_scheduler_type == "constant" else cfg.lr_scheduler_type
+    schedule = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler_type, cfg.lr_scheduler_type)
     scheduler = get_scheduler(schedule, optimizer, cfg.warmup_steps, cfg.max_steps)
     if state is not None:  # AdamW's moments; the rates: this run's flags at the saved step
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
@@ -1504,8 +1507,8 @@ def parse_args(argv=None) -> Config:
 
 
 def point_latest(output_dir: str, checkpoint: str):
-    """<output_dir>/latest: the checkpoint a restart continues from (this run's last save, or the one
-    it resumed from), written atomically."""
+    """<output_dir>/latest, written atomically: the checkpoint a restart continues from (this run's
+    last save, or the one it resumed from)."""
     with open(os.path.join(output_dir, "latest.tmp"), "w") as f:
         f.write(os.path.relpath(checkpoint, output_dir))
     os.replace(os.path.join(output_dir, "latest.tmp"), os.path.join(output_dir, "latest"))
@@ -1515,7 +1518,7 @@ def latest_checkpoint(output_dir: str) -> str:
     """The checkpoint this run saved last, named by <output_dir>/latest (not the highest step:
     after a resume from an older one, the newer ones are an abandoned branch)."""
     pointer = os.path.join(output_dir, "latest")
-    need(os.path.isfile(pointer), "resume_from_checkpoint", f"latest: no checkpoint in {output_dir!r}")
+    need(os.path.isfile(pointer), "resume_from_checkpoint", f"latest: none in {output_dir!r}")
     return os.path.join(output_dir, open(pointer).read().strip())
 
 
@@ -1604,7 +1607,8 @@ def check_model(cfg: Config, model_config) -> None:
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    need(heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0), "vllm_tensor_parallel_size",
+    splits = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
+    need(splits, "vllm_tensor_parallel_size",
          f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads")
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
         need(not getattr(model_config, capping, None), "model",
@@ -1612,29 +1616,31 @@ def check_model(cfg: Config, model_config) -> None:
     context = getattr(model_config, "max_position_embeddings", None)
     need(not context or cfg.longest_sequence <= context, "max_prompt_length",
          f"+ --max_completion_length = {cfg.longest_sequence} > the model's context, {context}")
-    need(not os.path.isdir(cfg.model) or any(f.endswith(".safetensors") for f in os.listdir(cfg.model)),
-         "model", f"{cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can run code "
-         "when loaded and are refused: convert them to safetensors")
+    safe = not os.path.isdir(cfg.model) or any(f.endswith(".safetensors") for f in os.listdir(cfg.model))
+    need(safe, "model", f"{cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can "
+         "run code when loaded and are refused: convert them to safetensors")
     lm = meta_model(cfg, model_config)
     head = lm.get_output_embeddings()
     # what the trainer's logprobs leave out: refused rather than trained wrong (the probe would stop)
     need(getattr(head, "bias", None) is None, "model", "its lm_head has a bias (Phi-2, GPT-J)")
     for scale in ("logits_scaling", "logit_scale", "dim_model_base"):  # Granite, Cohere, MiniCPM
-        need(getattr(model_config, scale, None) in (None, 1), "model", f"its logits are scaled ({scale})")
+        scaled = getattr(model_config, scale, None) not in (None, 1)
+        need(not scaled, "model", f"its logits are scaled ({scale})")
     sinks = [n for n, _ in lm.named_parameters() if n.endswith("sinks")]
     need(not sinks, "model", f"it has attention sinks ({sinks[:1]}, gpt-oss)")
     for name, module in lm.named_modules() if cfg.use_peft else ():
         targeted = any(name == t or name.endswith("." + t) for t in cfg.lora_target_modules)
         need(not targeted or not isinstance(module, nn.Embedding) and module is not head,
-             "lora_target_modules", f"{name}: the push merges and the forward reads the adapters of "
-             "the decoder's Linears only")
+             "lora_target_modules", f"{name}: the push merges and the forward reads the "
+             "adapters of the decoder's Linears only")
 
 
 def meta_model(cfg: Config, model_config) -> nn.Module:
     """The policy's modules on the meta device: names and sizes, no weights read."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
+        return AutoModelForCausalLM.from_config(model_config,
+                                                trust_remote_code=cfg.trust_remote_code)
 
 
 def load_model_config(cfg: Config):
@@ -1649,7 +1655,7 @@ def load_model_config(cfg: Config):
 
 
 def load_functions(names: list[str], builtins: dict, flag: str) -> list:
-    """Functions by name: from `builtins` (reward_fns.py's), or module:function; else ConfigError."""
+    """Functions by name: builtins (reward_fns.py's), or module:function; else ConfigError."""
     funcs = []
     for name in names:
         module, _, fn = name.rpartition(":")
@@ -1720,7 +1726,8 @@ def load_rows(cfg: Config):
             print0(f"holding out {held} of {len(train)} rows for eval (<= a tenth)")
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
-    for column, flag in ((cfg.prompt_column, "prompt_column"), (cfg.answer_column, "answer_column")):
+    for flag in ("prompt_column", "answer_column"):
+        column = getattr(cfg, flag)
         need(column in train.column_names, flag, f"no column {column!r} in {train.column_names}")
 
     def rename(row):  # the prompt and answer columns under the names reward functions expect
@@ -1736,7 +1743,8 @@ def encode_prompt(tokenizer, prompt, tools=()) -> list[int]:
         return tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"]
     if tools and "tools" not in str(tokenizer.chat_template):  # no tools section: a system message
         schemas = "\n".join(map(json.dumps, tools))
-        messages = [{"role": "system", "content": reward_fns.TOOLS_PROMPT.format(schemas)}] + messages
+        system = {"role": "system", "content": reward_fns.TOOLS_PROMPT.format(schemas)}
+        messages = [system] + messages
     text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -2158,9 +2166,9 @@ def main(argv=None):
     facts = {}  # what every rank must have decided alike (agree_at_start)
     if inputs:
         state = inputs.state or {}
-        facts = {"sleep": inputs.plan.sleep, "checkpoint": cfg.resume_from_checkpoint,
-                 "start": (state.get("step"), state.get("data_position")),
-                 "rows": rows_digest(inputs.data[1])}
+        facts = {"vllm_enable_sleep_mode": inputs.plan.sleep, "dataset": rows_digest(inputs.data[1]),
+                 "resume_from_checkpoint": (cfg.resume_from_checkpoint, state.get("step"),
+                                            state.get("data_position"))}
     setup_distributed(cfg, env, error, facts)  # a bad input on any rank stops every rank here
     try:
         llm = run(cfg, env, inputs)

@@ -3483,7 +3483,7 @@ def disagreeing_ranks(out):
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
         try:
-            gc.setup_distributed(cfg, env, None, {"sleep": env.rank == 0, "checkpoint": ""})
+            gc.setup_distributed(cfg, env, None, {"vllm_enable_sleep_mode": env.rank == 0})
             code = 0
         except SystemExit as e:
             code = e.code
@@ -3496,7 +3496,7 @@ def test_ranks_that_decided_apart_stop_together(tmp_path):
     decided apart (sleep mode on mixed GPUs) all stop, naming the flag."""
     r = run_processes("disagreeing_ranks", tmp_path / "out", nproc=2)
     assert r["code"] == 2
-    assert "error: --vllm_enable_sleep_mode: the ranks disagree on sleep ([True, False])" in r["said"]
+    assert "error: --vllm_enable_sleep_mode: the ranks decided apart ([True, False])" in r["said"]
 
 
 def test_tp_groups_do_not_span_nodes(monkeypatch):
