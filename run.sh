@@ -14,6 +14,9 @@ cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
 PY=${PYTHON:-$VENV/bin/python}
 GPUS=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+if [ "$GPUS" -gt 0 ] && [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # the GPUs you made visible, not all of them
+  GPUS=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+fi
 CACHE=${XDG_CACHE_HOME:-$HOME/.cache}/grpo_colocate
 MODEL_DIR=${MODEL_DIR:-$CACHE/SmolLM2-135M-Instruct}
 

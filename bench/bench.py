@@ -78,15 +78,26 @@ def pad_heads(src, tp):
 
 def setup(argv):
     cfg = gc.parse_args(argv)
-    env = gc.setup_distributed(cfg)
+    env = gc.setup_env(cfg)
+    gc.setup_distributed(cfg, env)
     tokenizer, rows, _ = gc.prepare_data(cfg)
     return cfg, env, tokenizer, rows, gc.load_model_config(cfg)
+
+
+def one_rollout(llm, cfg, env, tokenizer, rows, position, funcs, weights):
+    """The trainer's generate, score and advantages phases at data position `position`: a batch."""
+    per_rank = cfg.completions_per_rank // cfg.num_generations
+    positions, mine = gc.rows_for_step(rows, position, env.rank, per_rank, cfg.seed)
+    samples, counts = gc.rollout(llm, cfg, env, tokenizer, [r["prompt_ids"] for r in mine], positions)
+    rewards = gc.score(funcs, mine, [s.token_ids for s in samples], cfg.num_generations, tokenizer,
+                       cfg.max_completion_length)
+    return gc.make_batch(cfg, env, tokenizer, mine, samples, rewards, weights, counts)
 
 
 def standalone(out, argv, iterations=6):
     """The trainer's generate phase without the trainer: same engine settings, same requests, same seeds."""
     cfg, env, tokenizer, rows, model_config = setup([*argv, "--vllm_enable_sleep_mode", "false"])
-    llm = gc.make_engine(cfg, env, model_config)
+    llm = gc.make_engine(cfg, env, model_config, False)
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     results = []
     for gen_index in range(iterations):
@@ -121,8 +132,8 @@ def sleep_bench(out, argv):
     with the push skipped (the parity check and the sampled-token canary must fail), then the push (it must pass)."""
     cfg, env, tokenizer, rows, model_config = setup([*argv, "--vllm_enable_sleep_mode", "true"])
     probe = rows[0]["prompt_ids"] + tokenizer(f"#### {rows[0]['answer']}", add_special_tokens=False)["input_ids"]
-    engine = gc.ColocatedEngine(cfg, env, model_config, probe)
-    llm = engine.llm
+    llm = gc.make_engine(cfg, env, model_config, True)
+    engine = gc.ColocatedEngine(llm, cfg, env, True, probe)
 
     def free_gib():
         torch.cuda.synchronize()
@@ -149,35 +160,36 @@ def sleep_bench(out, argv):
 
     # one real GRPO step, exactly as the trainer does it
     lm = gc.load_lm(cfg.model, env.device, env.attention)
-    policy = gc.wrap_policy(lm, env, cfg)
+    policy = gc.wrap_policy(lm, env, cfg, False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.learning_rate)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     funcs, weights = gc.load_reward_funcs(cfg)
     ledger = {}
-    engine.rest(ledger)  # as the trainer does: the engine sleeps (level 2) while the policy loads, then gets it pushed
-    report["parity_gap_before_training"] = engine.wake_and_push(policy, probe, 0, ledger)["parity_gap"]
-    per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
-    batch = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, 0, 0, per_rank, cfg.seed)[::-1], funcs,
-                       weights, ledger)
+    engine.sleep(ledger)  # as the trainer does: the engine sleeps (level 2) while the policy loads, then gets it pushed
+    engine.wake_and_push(policy, 0, ledger)
+    report["parity_gap_before_training"] = engine.info["parity_gap"]
+    per_rank = cfg.completions_per_rank // cfg.num_generations
+    batch = one_rollout(llm, cfg, env, tokenizer, rows, 0, funcs, weights)
     llm.sleep(level=2)
-    gc.train_step(policy, optimizer, scheduler, batch, cfg, env, ledger)
+    gc.train_step(policy, optimizer, scheduler, batch, cfg, env, 8192, ledger, 1)
     torch.cuda.empty_cache()
     llm.wake_up(tags=["weights"])  # ...and NO push: the engine's weights were discarded by the level-2 sleep
     llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
     gap = gc.parity_gap(llm, policy, probe, env)
     report["parity_gap_level2_wake_without_push"] = gap
-    report["skipped_push_caught"] = not gap <= gc.parity_tolerance(env.dtype)
+    report["skipped_push_caught"] = not gap <= gc.PARITY_TOLERANCE[env.dtype]
     try:  # the canary of every step: a rollout from the stale engine, scored by train_step before its update
-        stale = gc.rollout(llm, cfg, env, tokenizer, *gc.rows_for_step(rows, per_rank, 0, per_rank, cfg.seed)[::-1],
-                           funcs, weights, ledger)
-        report["sampled_gap_stale_missed"] = gc.train_step(policy, optimizer, scheduler, stale, cfg, env, ledger,
-                                                           1)["canary_gap"]
+        stale = one_rollout(llm, cfg, env, tokenizer, rows, per_rank, funcs, weights)
+        report["sampled_gap_stale_missed"] = gc.train_step(policy, optimizer, scheduler, stale, cfg, env, 8192,
+                                                           ledger, 1)["canary_gap"]
     except RuntimeError as e:  # expected: "step 1: vLLM and the trainer disagree on the tokens vLLM sampled ..."
         report["sampled_gap_stale_caught"] = str(e).split(". The engine")[0]
     optimizer.zero_grad(set_to_none=True)
-    engine.rest(ledger)
-    report["parity_gap_after_push"] = engine.wake_and_push(policy, probe, 1, ledger)["parity_gap"]
+    engine.sleep(ledger)
+    engine.pushes = 0  # the probe checks this push too
+    engine.wake_and_push(policy, 1, ledger)
+    report["parity_gap_after_push"] = engine.info["parity_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)

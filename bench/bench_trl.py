@@ -203,10 +203,14 @@ def grpo_config(cfg, trl_defaults: bool, checkpointing: bool | None, out_dir: st
         vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max)
 
 
+def str2bool(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes", "on")
+
+
 def train(out_dir: str, argv: list[str]):
     extra = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the driver's own flags, taken out first
-    extra.add_argument("--trl_gradient_checkpointing", type=gc.str2bool, nargs="?", const=True, default=None)
-    extra.add_argument("--trl_defaults", type=gc.str2bool, nargs="?", const=True, default=False)
+    extra.add_argument("--trl_gradient_checkpointing", type=str2bool, nargs="?", const=True, default=None)
+    extra.add_argument("--trl_defaults", type=str2bool, nargs="?", const=True, default=False)
     opts, argv = extra.parse_known_args(argv)
     cfg = gc.parse_args(argv)  # the very flags grpo_colocate.py takes, checked the same way
     if cfg.fsdp:

@@ -29,6 +29,13 @@
 #   s11       issues 25/27/30: the tests marked gpu, run.sh's default run (6 steps, saved at 3) and its resume
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
+#   s12 STEPS issues 33-35 (BENCHMARKS.md section 12), after staging: STEPS of
+#             tests   the tests marked gpu, and a 2-step run of run.sh's GPU default
+#             det     two identical 3-step runs on 2 GPUs (DDP), plain and with DETERMINISTIC=1, then FSDP2 with it:
+#                     where they part (bench/determinism.py); all records in $OUT/det.tar.gz
+#             learn   run.sh --max_steps 20 on one GPU (held-out accuracy before and after)
+#             smol    ours vs TRL at its defaults, SmolLM2, fixed 256-token completions, one GPU
+#             scale   the 1.5B shape (sleep on): one GPU, then 2 GPUs with DDP, FSDP2 and tp 2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -176,6 +183,46 @@ s11)
     --resume_from_checkpoint outputs/s11/checkpoint-3 > "$OUT/s11-resumed.log" 2>&1
   cp outputs/s11/metrics.jsonl "$OUT/s11-default-metrics.jsonl"; cp outputs/s11r/metrics.jsonl "$OUT/s11-resumed-metrics.jsonl"
   grep -h "^step\|engine ready\|eval at\|^world" "$OUT"/s11-*.log | cut -c1-250; wc -l "$OUT"/s11-*.log ;;
+s12)
+  shift
+  for step in "$@"; do case $step in
+  tests)
+    versions | tee "$OUT/s12-versions.txt"
+    CUDA_VISIBLE_DEVICES=0 timeout 360 bash run.sh test --gpu -v > "$OUT/s12-gpu-tests.txt" 2>&1
+    tail -3 "$OUT/s12-gpu-tests.txt"
+    CUDA_VISIBLE_DEVICES=0 timeout 150 bash run.sh --model "$SMOL" --max_steps 2 --eval_steps 0 \
+      --output_dir outputs/s12-smoke > "$OUT/s12-smoke.log" 2>&1; tail -4 "$OUT/s12-smoke.log" | cut -c1-300 ;;
+  det)
+    mkdir -p /tmp/det
+    D=(--model "$SMOL" --max_steps 3 --save_steps -1 --eval_steps 0 --num_eval 8)
+    for variant in ddp-plain ddp-det fsdp-det; do
+      extra=(); [ "${variant%-*}" = fsdp ] && extra=(--fsdp)
+      for run in a b; do
+        DETERMINISTIC=$([ "${variant#*-}" = det ] && echo 1 || echo 0) timeout 200 python3 -m torch.distributed.run \
+          --standalone --nproc_per_node 2 bench/determinism.py /tmp/det/$variant-$run "${D[@]}" "${extra[@]}" \
+          --output_dir /tmp/det/out-$variant-$run > /tmp/det/$variant-$run.log 2>&1 || tail -5 /tmp/det/$variant-$run.log
+      done
+      echo "== $variant"; python3 bench/determinism.py compare /tmp/det/$variant-a /tmp/det/$variant-b
+      grep -h "^step" /tmp/det/$variant-a.log | cut -c1-160
+    done
+    tar -czf "$OUT/det.tar.gz" -C /tmp det --exclude='out-*' ;;
+  learn)
+    CUDA_VISIBLE_DEVICES=0 timeout 300 bash run.sh --model "$SMOL" --max_steps 20 --eval_steps 20 \
+      --output_dir outputs/s12-learn > "$OUT/s12-learn.log" 2>&1
+    cp outputs/s12-learn/metrics.jsonl "$OUT/s12-learn.jsonl"; grep -c "" "$OUT/s12-learn.log"; grep "eval at\|^step 20" "$OUT/s12-learn.log" | cut -c1-250 ;;
+  smol)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
+    CUDA_VISIBLE_DEVICES=0 NPROC=1 TRL_FLAGS=--trl_defaults timeout 400 bash run.sh compare smollm2-135m \
+      > "$OUT/s12-smol.txt" 2>&1; keep "$(latest smollm2-135m)" s12-smol; tail -6 "$OUT/s12-smol.txt" ;;
+  scale)
+    [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > /dev/null 2>&1
+    for setup in "1 " "2 " "2 --fsdp" "2 --vllm_tensor_parallel_size 2"; do
+      n=${setup%% *}; flags=${setup#* }
+      # shellcheck disable=SC2086
+      CUDA_VISIBLE_DEVICES=$([ $n = 1 ] && echo 0 || echo 0,1) NPROC=$n STANDALONE=0 timeout 200 bash run.sh bench \
+        qwen2.5-1.5b-shape --vllm_enable_sleep_mode true $flags 2>&1 | tail -2
+    done ;;
+  esac; done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
      --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
