@@ -3300,6 +3300,20 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
 # issues 35 and 36: the faults at scale, and TRL's rules where README says the trainer follows them
 # ------------------------------------------------------------------------------------------------------------
 
+def test_memory_plan_floors_at_the_longest_sequence(monkeypatch):
+    """Issue 34 item 1: with 16,384-token completions at 1.5B on 80 GiB, one sequence of 16,640
+    tokens needs 85.9 GB of activations without checkpointing, more than the 48.3 GB of room: the
+    plan checkpoints (the floor is the longest sequence, not 4,096 tokens) instead of planning a
+    16,896-token budget past memory."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
+    gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
+    room = 0.85 * 80 * GiB - 16 * N15  # 48,315,015,168 bytes
+    plan = gc.memory_plan(gc.Config(max_completion_length=16384), gpu, QWEN15, N15)
+    per_token = 4 * 1536 * 28 + 120 * 1536  # checkpointed: 356,352 bytes
+    assert plan.checkpointing and plan.tokens == int(room // per_token) == 135_580
+    assert plan.tokens * per_token <= room and 16640 * 120 * 1536 * 28 > room
+
+
 def test_filler_groups_do_not_count_as_sequences(monkeypatch):
     """Issue 36 item 2: dynamic sampling tops a short step up with zero-std groups (loss mask 0);
     the sequence normalisers (grpo, sapo, dr_grpo) count the trained sequences only, so the varied

@@ -4,7 +4,8 @@ step, of the engine's weights after each push, and the step's loss and grad norm
 
     torchrun --nproc_per_node 2 bench/determinism.py OUT <grpo_colocate flags>    # writes OUT.rank<r>.jsonl
     python bench/determinism.py compare A B                                     # the first record that differs
-DETERMINISTIC=1 also turns on torch.use_deterministic_algorithms (warn only) and cuBLAS's fixed workspace.
+DETERMINISTIC=1 also turns on torch.use_deterministic_algorithms (warn only) and cuBLAS's fixed workspace;
+ENGINE_SYNC=1 starts the engine without async scheduling and without prefix caching.
 """
 import hashlib
 import json
@@ -26,6 +27,16 @@ def digest(tensors) -> str:
         t = t.to_local() if isinstance(t, DTensor) else t
         h.update(t.detach().float().cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def engine_sync():
+    import vllm
+
+    make = vllm.LLM
+
+    def synchronous(*args, **kwargs):
+        return make(*args, **{**kwargs, "async_scheduling": False, "enable_prefix_caching": False})
+    vllm.LLM = synchronous
 
 
 def watch(out):
@@ -80,5 +91,7 @@ if __name__ == "__main__":
         if os.environ.get("DETERMINISTIC") == "1":
             torch.use_deterministic_algorithms(True, warn_only=True)
             torch.backends.cudnn.deterministic = True
+        if os.environ.get("ENGINE_SYNC") == "1":
+            engine_sync()
         watch(sys.argv[1])
         gc.main(sys.argv[2:])
