@@ -568,11 +568,10 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 def loss_normaliser(loss_type: str, batch, world: int, num_micro_batches: int):
     """(this rank's share of grpo_loss's global_count, each micro-batch loss's scale).
 
-    A generation batch has one loss however ranks and micro-batches cut it: each micro-batch
-    divides its sum by the count of the WHOLE global batch (the caller all-reduces the shares),
-    so their gradients add up to the batch's. DDP and FSDP2 average gradients over ranks (/
-    world): x world undoes that. bnpo: no global count; each micro-batch's mean weighs
-    1 / num_micro_batches, and ranks average."""
+    A generation batch has one loss however ranks and micro-batches cut it: each micro-batch divides
+    its sum by the WHOLE global batch's count (the caller all-reduces the shares), so gradients add
+    up to the batch's; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no
+    global count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
@@ -1315,8 +1314,8 @@ def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.
     from transformers import AttentionInterface, AutoModelForCausalLM
     if attention == "varlen":  # torch >= 2.12 wants enable_gqa; 2.11 shares KV heads unasked
         from torch.nn.attention.varlen import varlen_attn
-        wants_gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-        gqa = {"enable_gqa": True} if wants_gqa else {}
+        shares_kv = "enable_gqa" not in inspect.signature(varlen_attn).parameters
+        gqa = {} if shares_kv else {"enable_gqa": True}
         AttentionInterface.register("varlen", functools.partial(varlen_attention, gqa=gqa))
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
                                               attn_implementation=attention,
