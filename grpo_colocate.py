@@ -12,8 +12,7 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD \
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
-Reading order: Config; the parts of one step in the order it runs them (1-6); the loop (7). The
-appendix (A-G) is machinery: setup, input checks, data, checkpoints, memory plan, metrics, CLI.
+Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
 Shapes: P prompts, G completions each, N = P G, T the longest completion, L a packed micro-batch's
 tokens, H the hidden size, V the vocabulary, R reward functions.
 
@@ -30,7 +29,6 @@ Implemented (README.md, Variants: each flag beside its paper):
 
 import functools
 import hashlib
-import importlib
 import importlib.util
 import inspect
 import io
@@ -199,8 +197,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows): this rank's prompts at `position` of the stream of epochs of rows, each
-    shuffled by seed. position counts the prompts all ranks drew: a resume on any world goes on."""
+    """(positions, rows) of this rank; position counts all ranks' prompts, so any world resumes."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     step_rows = []
     for i in positions:
@@ -229,18 +226,23 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
     )
 
 
+def tp_gather(obj, env) -> list:
+    """obj of every rank of this rank's TP group, in rank order."""
+    if env.tp == 1:
+        return [obj]
+    everyone = [None] * env.tp
+    dist.all_gather_object(everyone, obj, group=env.tp_group)
+    return everyone
+
+
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, one RequestOutput per prompt out (max_tokens: a tool turn's room per prompt).
-    vLLM samples the n completions of prompt i with seeds[i], seeds[i] + 1... whatever the batch or
-    the rank: the ranks of a TP group gather their requests, run them once on their shared engine
-    and each slices its own outputs back, sampled alike (checked)."""
+    """Token ids in, a RequestOutput per prompt out (max_tokens: a tool turn's room per prompt). The
+    n completions of prompt i use seeds[i], seeds[i] + 1... whatever the batch or rank: a TP group
+    gathers its requests, runs them once, and each rank slices its own back (checked alike)."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
-    everyone = [requests]  # the TP group's requests, in rank order
-    if env.tp > 1:
-        everyone = [None] * env.tp
-        dist.all_gather_object(everyone, requests, group=env.tp_group)
+    everyone = tp_gather(requests, env)  # the TP group's requests
     group_requests = sum(everyone, [])
     prompts = [{"prompt_token_ids": ids} for ids, _, _ in group_requests]
     per_request = [replace(params, seed=s, max_tokens=m or params.max_tokens)
@@ -248,9 +250,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     outputs = llm.generate(prompts, per_request, use_tqdm=False)
     if env.tp > 1:  # hash() of ints and tuples is stable across processes
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
-        prints = [None] * env.tp
-        dist.all_gather_object(prints, sampled, group=env.tp_group)
-        if len(set(prints)) > 1:
+        if len(set(tp_gather(sampled, env))) > 1:
             raise RuntimeError("the ranks of a TP group sampled different tokens: their requests "
                                "or seeds differ")
     start = sum(len(r) for r in everyone[:env.rank % env.tp])  # consecutive ranks: a TP group
@@ -295,11 +295,7 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
                 sample.model_mask += [0] * len(suffix)
                 active.append(k)
         # the ranks of a TP group drive one engine: they take every turn together
-        group_active = [bool(active)]
-        if env.tp > 1:
-            group_active = [None] * env.tp
-            dist.all_gather_object(group_active, bool(active), group=env.tp_group)
-        if not any(group_active):
+        if not any(tp_gather(bool(active), env)):
             break
         seeds = None  # greedy: the eval
         if positions:  # completion j of the prompt at position i: turn t's seed (seed, i, j, t)
@@ -316,8 +312,7 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
 
 
 def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
-    """(samples [N] grouped by prompt, tool counts): G completions per prompt, seeded by the
-    prompts' data positions; positions None: one greedy completion each (the eval)."""
+    """(samples [N] grouped by prompt, tool counts); positions None: one greedy completion each."""
     n = 1 if positions is None else cfg.num_generations
     params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
     seeds = None
@@ -333,8 +328,7 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
 # ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
 
 def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length) -> torch.Tensor:
-    """Rewards [N, R] of every function on every completion, decoded here (text's only use). A
-    None (a function cannot score that completion) is NaN."""
+    """Rewards [N, R] of every function on every completion, decoded here; None (unscored): NaN."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     columns = {k: [rows[i // G][k] for i in range(len(rows) * G)] for k in rows[0]}  # G times each
     prompts = columns.pop("prompt")
@@ -374,16 +368,14 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> 
 
 
 def is_truncated(token_ids, finish_reason, end_ids) -> bool:
-    """TRL's rule: cut at the length limit without an end token (EOS, pad, or generation_config's
-    EOS, e.g. Llama-3.1's 128001/128008/128009, which vLLM stops on: finish_reason "stop")."""
+    """TRL's rule: cut at the limit without an end token (vLLM's other EOS ids finish "stop")."""
     return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
 
 
 def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts):
     """The rollout as train_step takes it: DAPO's dynamic sampling, advantages, masks [N, T]."""
     G = cfg.num_generations
-    # DAPO keeps a group where one reward varies (0 < correct < G), not the weighted sum; a group
-    # with fewer than 2 scored completions (std NaN) varies no more than a constant one
+    # DAPO keeps groups where one reward varies, not the sum; < 2 scored (std NaN) is not varied
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
     # what was generated (the model's tokens, not tool results), before dynamic sampling
@@ -407,7 +399,6 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
         advantages = advantages.view(env.world, -1)[env.rank]  # [N]
     else:
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
-
     prompt_ids = [rows[k // G]["prompt_ids"] for k in range(len(samples))]  # [N]
     # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results
     model_mask = nn.utils.rnn.pad_sequence([torch.tensor(s.model_mask) for s in samples],
@@ -437,9 +428,7 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
 # ===== 4. Per-token logprobs and the loss: the math that papers change ============================
 
 def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
-    """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py):
-    top-k keeps logits >= the k-th largest, then top-p drops ascending tokens while their
-    cumulative mass is <= 1 - p."""
+    """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py)."""
     sorted_logits, order = logits.sort(dim=-1)  # [n, V] ascending
     if top_k > 0:  # below the k-th largest value (ties with it stay)
         kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [n, 1]
@@ -451,8 +440,7 @@ def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
 
 
 def kept_tokens(z, targets, temperature, top_k, top_p):
-    """[n, V] bool: the tokens the sampler keeps, and the target (bf16 noise may move it across the
-    boundary: its logp stays finite); None when nothing is filtered."""
+    """[n, V] bool: the sampler's kept set and the target (bf16 may move it out); None: no cut."""
     if top_k == 0 and top_p == 1:
         return None
     keep = top_k_top_p_mask(z.float() / temperature, top_k, top_p)
@@ -460,8 +448,7 @@ def kept_tokens(z, targets, temperature, top_k, top_p):
 
 
 def logit_stats(z, targets, temperature, keep=None):
-    """One chunk's logits z [n, V] -> (logp of the targets, entropy, logsumexp over the kept set,
-    logsumexp), [n] each, in fp32. keep: [n, V], the tokens vLLM's sampler keeps (None: all)."""
+    """z [n, V] -> (logp of the targets, entropy, logsumexp over keep (None: all), logsumexp)."""
     z = z.float() / temperature  # [n, V]
     lse = torch.logsumexp(z, dim=-1)  # [n]
     # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's
@@ -488,15 +475,13 @@ def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logp
     return (dz / temperature).to(z.dtype)
 
 
-# On CUDA both run compiled: one or two fused kernels over the chunk's bf16 logits, where eager
-# PyTorch makes several passes over an fp32 copy. No autograd graph: seconds to compile.
+# On CUDA: one or two fused kernels over the chunk's bf16 logits, not eager passes over fp32 copies.
 COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
 
 
 class TokenLogprobs(torch.autograd.Function):
-    """Logprobs and entropies of the tokens of hidden [n, H] (weight: the lm_head [V, H]), a chunk
-    of tokens at a time: [n, V] logits never exist at once. Forward keeps [n] statistics only;
-    backward recomputes each chunk's logits (one more lm_head matmul) for logit_grads."""
+    """Logprobs and entropies of hidden [n, H]'s targets (weight: lm_head [V, H]), a chunk at a
+    time: no [n, V] logits at once. Backward recomputes each chunk's logits for logit_grads."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
@@ -542,8 +527,7 @@ class TokenLogprobs(torch.autograd.Function):
 
 
 class Policy(nn.Module):
-    """HF causal LM -> logprobs and entropies of a packed micro-batch's scored tokens. DDP wraps
-    this module (its hooks need the forward); FSDP2 shards it."""
+    """HF causal LM -> logps and entropies of packed tokens (DDP's hooks need this forward)."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
@@ -553,8 +537,7 @@ class Policy(nn.Module):
 
     def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, model_mask,
                 temperature, top_k=0, top_p=1.0):
-        """pack's five outputs, and model_mask [B, T]: the tokens to score. Returns their logps
-        (over the top-k/top-p kept set) and entropies, [B, T] each, 0 elsewhere."""
+        """pack's outputs, model_mask [B, T] -> logps (over the kept set), entropies: [B, T]."""
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                     use_cache=False, cu_seq_lens_q=cu_seqlens,
                                     cu_seq_lens_k=cu_seqlens, max_length_q=longest,
@@ -571,9 +554,8 @@ class Policy(nn.Module):
                      for x in (logps, entropy))
 
 
-# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's): the one
-# decision a new loss makes here, read by grpo_loss and loss_normaliser. N: the global batch's
-# trained sequences.
+# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's), read by
+# grpo_loss and loss_normaliser. N: the global batch's trained sequences.
 #   "sequences"   sum_i [ sum_t l m / sum_t m ] / N      each sequence weighs the same   grpo, sapo
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
 #   "constant"    sum_it l m / (N max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
@@ -586,11 +568,10 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 def loss_normaliser(loss_type: str, batch, world: int, num_micro_batches: int):
     """(this rank's share of grpo_loss's global_count, each micro-batch loss's scale).
 
-    A generation batch has one loss however ranks and micro-batches cut it: each micro-batch
-    divides its sum by the count of the WHOLE global batch (the caller all-reduces the shares),
-    so their gradients add up to the batch's. DDP and FSDP2 average gradients over ranks (/
-    world): x world undoes that. bnpo: no global count; each micro-batch's mean weighs
-    1 / num_micro_batches, and ranks average."""
+    A generation batch has one loss however ranks and micro-batches cut it: each micro-batch divides
+    its sum by the WHOLE global batch's count (the caller all-reduces the shares), so gradients add
+    up to the batch's; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no
+    global count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
@@ -627,8 +608,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     if cfg.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the token ratios
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
-    # cispo: every token keeps a gradient, through logp, weighted by the capped ratio; sapo: a
-    # gate of slope 1 at r = 1 that fades where the clip would cut
+    # cispo: every token keeps a gradient, through logp; sapo: a gate that fades where a clip cuts
     if loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * keep  # [B, T]
     elif loss_type == "sapo":
@@ -645,7 +625,6 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         if cfg.use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + cfg.beta * kl
-
     normaliser = NORMALISERS[loss_type]
     total = per_token * mask  # [B, T]
     if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
@@ -658,7 +637,6 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
             loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
         else:
             loss = total.sum() / (sequences * cfg.max_completion_length)
-
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
@@ -693,8 +671,7 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
 
 
 def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
-    """The q-quantile of the loss tokens' entropies in every rank's micro-batch (TRL's
-    get_high_entropy_mask)."""
+    """The q-quantile of the loss tokens' entropies on all ranks (TRL's get_high_entropy_mask)."""
     local = entropy.detach()[mask.bool()].float()  # [n]
     if world > 1:  # pad every rank to the longest with -inf, gather, drop the padding
         n = torch.tensor(local.numel(), device=local.device)
@@ -708,8 +685,7 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
 
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
-    """Sequences cut, in order, into micro-batches of <= budget tokens (a longer one alone). With
-    num_micro_batches: exactly that many, halving the one of the most tokens until enough."""
+    """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches."""
     cuts = []
     start = 0
     for i in range(1, len(lengths) + 1):
@@ -725,8 +701,7 @@ def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) ->
 
 
 def plan_micro_batches(batch, budget: int, env) -> list[range]:
-    """This rank's sequences cut by split_micro_batches, as many on every rank (one all_reduce:
-    FSDP2 gathers and reduce-scatters in each one, and unequal counts would hang)."""
+    """split_micro_batches, as many on every rank (FSDP2 talks in each: unequal counts hang)."""
     lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
     num_micro_batches = torch.tensor(len(split_micro_batches(lengths, budget)), device=env.device)
     if env.world > 1:
@@ -735,9 +710,8 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, device="cpu"):
-    """Sequences (prompt + completion) in ONE row, no padding: position ids restart at 0 at each
-    sequence (RoPE), cu_seqlens tells attention where each starts. Returns Policy's first five
-    inputs, on device; completion_index: the columns of the tokens model_mask [B, T] scores."""
+    """Sequences (prompt + completion) in ONE row, no padding: positions restart at 0 in each
+    (RoPE), cu_seqlens marks the starts. Returns Policy's first five inputs, on device."""
     ids = []
     positions = []
     starts = []
@@ -756,8 +730,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
 
 
 def micro_batch(batch, seqs: range, device):
-    """Sequences `seqs` of the batch on device: Policy's packed inputs, and [b, T] tensors cut to
-    their longest completion."""
+    """Sequences `seqs` on device: Policy's packed inputs, [b, T] tensors cut to their longest."""
     seqs = slice(seqs.start, seqs.stop)
     T = max(1, max(map(len, batch.completion_ids[seqs])))
 
@@ -776,8 +749,7 @@ def micro_batch(batch, seqs: range, device):
 
 
 def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
-    """[N, T] logprobs of `model` on the generation batch, without grad, on the CPU, in train_step's
-    micro-batches: the reference's (beta > 0), or the old logprobs of num_iterations > 1."""
+    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones."""
     cuts = plan_micro_batches(batch, budget, env)
     micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
     with torch.no_grad(), autocast(env):
@@ -792,10 +764,8 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
     """One optimizer step on this rank's generation batch, in micro-batches of <= budget tokens.
-    Returns the sums over them of what is logged (loss, clip_ratio/*, tokens...), grad_norm,
-    skipped and the canary's gap."""
+    Returns the logged sums (loss, clip_ratio/*, tokens...), grad_norm, skipped and canary_gap."""
     cuts = plan_micro_batches(batch, budget, env)
-    # the global count and the scale of every micro-batch's loss: see loss_normaliser
     count, loss_scale = loss_normaliser(cfg.loss_type, batch, env.world, len(cuts))
     global_count = None
     if count is not None:
@@ -803,19 +773,16 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         if env.world > 1:
             dist.all_reduce(count)
         global_count = count.item()
-    # The logged stats stay tensors until the step ends: a float() per stat and micro-batch would
-    # stall the GPU each time while the host catches up.
+    # The logged sums stay tensors: a float() per stat and micro-batch would stall the GPU.
     sums = {}
 
     def add(name, value):
         sums[name] = sums.get(name, 0.0) + value.detach().float()
-
     with timed(ledger, "fwd_bwd", env):
         # host work and copies first; then the GPU runs the micro-batches back to back
         micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]
         for i, mb in enumerate(micro_batches):
-            # DDP all-reduces in the last micro-batch's backward only. FSDP2 reduce-scatters after
-            # each: unsharded gradients held across micro-batches would cost a model of memory.
+            # DDP all-reduces in the last backward only; FSDP2 in each (unsharded: a model more)
             grad_sync = nullcontext()
             if isinstance(policy, DDP) and i < len(micro_batches) - 1:
                 grad_sync = policy.no_sync()
@@ -840,8 +807,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                     keep = (entropy >= threshold).float()
                 loss, loss_stats = grpo_loss(logps, old, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, keep, global_count)
-                # TRL's entropy bonus: c x the mean entropy of the micro-batch's learning tokens,
-                # outside the normaliser, whatever the loss type; each micro-batch weighs 1 / M
+                # TRL's entropy bonus, outside the normaliser: c x learning tokens' mean entropy / M
                 learning = keep * mb.loss_mask  # [b, T]
                 mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
                 bonus = cfg.entropy_coef * mean_entropy / len(cuts)
@@ -861,8 +827,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
             add("tokens", loss_tokens)
             add("completion_tokens", mb.model_mask.sum())
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
-    # The canary (IS correction on), before the update: the trainer's logprobs of the tokens vLLM
-    # sampled must be vLLM's within the dtype's tolerance, so a stale engine never trains.
+    # The canary, before the update: the trainer must score vLLM's sampled tokens as vLLM did.
     if "logprob_gap" in stats:
         gap = stats["logprob_gap"] / max(stats["gap_tokens"], 1)  # NaN: a non-finite step
         gap = 0.0 if math.isnan(gap) else gap
@@ -899,9 +864,8 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
-    """(HF name, full tensor) per parameter, one order on every rank; LoRA: W + (alpha / r) B A, as
-    the engine runs it. Made a bucket ahead, handed over one by one and dropped: a lazy consumer
-    holds one bucket of memory more."""
+    """(HF name, full tensor) per parameter, one order on every rank; LoRA: W + (alpha / r) B A.
+    Made a bucket ahead, handed over and dropped one by one: a lazy consumer holds a bucket more."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     bucket = []
     size = 0
@@ -951,8 +915,7 @@ def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
     return (trainer_lp[0].float().cpu() - torch.tensor(vllm_lp)).abs().mean().item()
 
 
-# The mean |logp gap| allowed. Healthy: ~1e-5 in fp32, 0.04-0.17 in bf16 as training sharpens the
-# policy; a level-2 wake without the push: 7.1.
+# The mean |logp gap| allowed. Healthy: ~1e-5 fp32, 0.04-0.17 bf16; a wake without a push: 7.1.
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 
@@ -970,18 +933,16 @@ def check_gap(gap: float, env, step, what: str) -> float:
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm), and the only code that sleeps, wakes or pushes it: sleep()
-    frees its memory for the trainer (if the memory plan chose sleep mode), wake_and_push() gives
-    it the trained weights. The parity probe checks the first push (every parameter name reaches
-    vLLM), and every later one unless the canary runs (train_step checks the sampled tokens)."""
+    """This rank's engine (self.llm); only this code sleeps, wakes or pushes it. sleep() frees its
+    memory for the trainer (if the plan chose sleep mode); wake_and_push() gives it the trained
+    weights, probed at the first push (every name reaches vLLM), then unless the canary runs."""
 
     def __init__(self, llm, cfg: Config, env, sleeps: bool, probe_ids: list[int]):
-        """probe_ids: a held-out prompt and its answer, scored by both engine and trainer."""
         self.llm = llm
         self.cfg = cfg
         self.env = env
         self.sleeps = sleeps
-        self.probe_ids = probe_ids
+        self.probe_ids = probe_ids  # a held-out prompt and its answer, scored by engine and trainer
         self.asleep = False
         self.pushes = 0
         self.info = {}  # the last push's metrics
@@ -1032,7 +993,6 @@ def run(cfg: Config, env, inputs):
     # the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
     prompts_drawn = math.ceil(cfg.completions_per_rank // cfg.num_generations
                               * cfg.dynamic_sampling_factor)
-
     # The engine first (it sizes its memory on an empty GPU), asleep while the trainer loads
     llm = make_engine(cfg, env, inputs.model_config, plan.sleep)
     answer_ids = tokenizer(f"#### {eval_rows[0]['answer']}", add_special_tokens=False)["input_ids"]
@@ -1085,15 +1045,13 @@ def run(cfg: Config, env, inputs):
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
             steps_on_batch = 0
-            # no-grad passes: the old logprobs of num_iterations > 1 or of LoRA dropout (see
-            # train_step), and the reference's (beta > 0; LoRA: the policy with its adapters off)
+            # no-grad passes: the frozen old logprobs (see train_step), the reference's (beta > 0)
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
                     policy = unwrap(trainer.policy)
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.tokens)
-                if trainer.reference is not None:
-                    lm = unwrap(trainer.policy).lm
-                    with lm.disable_adapter() if cfg.use_peft else nullcontext():
+                if trainer.reference is not None:  # LoRA's: the policy with its adapters off
+                    with trainer.lm.disable_adapter() if cfg.use_peft else nullcontext():
                         batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env,
                                                         plan.tokens)
 
@@ -1231,9 +1189,8 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
 
 
 def agree_at_start(cfg: Config, env, error, facts: dict):
-    """Every rank stops alike, before any engine starts, on one rank's bad input (a path local to
-    its node) or on facts {flag: value} that ranks decided apart. Every rank writes checkpoint
-    shards in --output_dir: a file rank 0 makes there, every rank must see."""
+    """Every rank stops alike, before any engine starts, on one rank's bad input, on facts {flag:
+    value} decided apart, or on an --output_dir not shared (each rank writes checkpoint shards)."""
     marker = [""]
     if env.rank == 0 and not error:
         marker = [f".shared-{os.urandom(8).hex()}"]
@@ -1342,8 +1299,7 @@ def make_engine(cfg: Config, env, model_config, sleep: bool):
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
                      max_length_q=None, sliding_window=None, gqa=None, **kwargs):
-    """Packed attention on CUDA (torch's varlen FlashAttention, bf16), causal in each sequence:
-    query [1, heads, L, D], key/value [1, kv_heads, L, D]."""
+    """torch's varlen FlashAttention (bf16), causal per packed sequence: q [1, heads, L, D]."""
     from torch.nn.attention.varlen import varlen_attn
     q, k, v = (x[0].transpose(0, 1).to(torch.bfloat16, memory_format=torch.contiguous_format)
                for x in (query, key, value))  # [L, (kv_)heads, D]
@@ -1381,8 +1337,7 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
                           target_modules="all-linear" if targets == ["all-linear"] else targets,
                           task_type="CAUSAL_LM")
         lm = get_peft_model(lm, lora)
-    # dropout only in a forward that takes a gradient: the probe, the reference and the old
-    # logprobs (a no-grad pass under dropout) are exact
+    # dropout only in a forward that takes a gradient: no-grad ones (probe, old, ref) are exact
     for name, m in lm.named_modules():
         if "lora_dropout" in name and isinstance(m, nn.Dropout):
             m.register_forward_pre_hook(lambda m, _: setattr(m, "training", torch.is_grad_enabled()))
@@ -1390,11 +1345,9 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 
 
 def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=True) -> nn.Module:
-    """The policy (or the frozen reference, trainable=False) on this rank: whole under DDP; under
-    FSDP2, 1/world of each fp32 parameter, each layer gathered for its forward and backward."""
+    """The policy (or the frozen reference) on this rank: whole under DDP, sharded under FSDP2."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: each layer's norms and MLP compiled, their elementwise ops fused (17% less at 1.5B,
-    # BENCHMARKS.md section 10); dynamic shapes: one compile for every micro-batch length
+    # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md section 10)
     for layer in lm.get_decoder().layers if env.device.type == "cuda" else ():
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
@@ -1430,8 +1383,7 @@ def autocast(env):
 
 
 def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
-    """The policy, the frozen reference (--beta > 0), AdamW and the lr schedule, resumed from state
-    (a checkpoint's trainer_state; None: a fresh run)."""
+    """The policy, the reference (--beta > 0), AdamW and the lr schedule, resumed from state."""
     from transformers import get_scheduler
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
@@ -1439,8 +1391,7 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     if state and not cfg.use_peft:
         weights = cfg.resume_from_checkpoint
     lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
-    # LoRA: the frozen base stays fp32, as full training's masters (a bf16 base rounds the
-    # residual stream: a 1.5x wider trainer/vLLM gap at 1.5B, BENCHMARKS.md section 9)
+    # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md sec. 9)
     if cfg.use_peft:
         lm = add_lora(lm, cfg)
     reference = None
@@ -1484,8 +1435,7 @@ def need(ok, flag: str, msg: str) -> None:
 
 
 def parse_args(argv=None) -> Config:
-    """Every Config field is a --flag (HfArgumentParser: a Literal takes its choices, a bool
-    true/false or nothing); a bad one raises ConfigError naming it. Then check_config."""
+    """Config from the --flags (HfArgumentParser), then check_config; a bad one: ConfigError."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, prog="grpo_colocate.py", description=__doc__.split("\n")[0])
 
@@ -1507,8 +1457,7 @@ def parse_args(argv=None) -> Config:
 
 
 def point_latest(output_dir: str, checkpoint: str):
-    """<output_dir>/latest, written atomically: the checkpoint a restart continues from (this run's
-    last save, or the one it resumed from)."""
+    """<output_dir>/latest, written atomically: the checkpoint a restart continues from."""
     with open(os.path.join(output_dir, "latest.tmp"), "w") as f:
         f.write(os.path.relpath(checkpoint, output_dir))
     os.replace(os.path.join(output_dir, "latest.tmp"), os.path.join(output_dir, "latest"))
@@ -1523,8 +1472,7 @@ def latest_checkpoint(output_dir: str) -> str:
 
 
 def check_config(cfg: Config, world: int, local_world: int) -> None:
-    """The flag values that would fail late or silently, refused before any process group, model
-    or engine exists: a table of (flag, condition, what to do); the first that fails is raised."""
+    """Refuse, before any model or engine, the flags that would fail late or silently."""
     tp = cfg.vllm_tensor_parallel_size
     budget = cfg.max_tokens_per_microbatch
     cuda = torch.cuda.is_available()
@@ -1715,7 +1663,6 @@ def load_rows(cfg: Config):
                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
         need(len(rows) > 0, flag, f"split {split!r} of {cfg.dataset!r} has no rows")
         return rows
-
     train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
@@ -1877,8 +1824,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     cuda = env.device.type == "cuda"
     plain = (120 if cuda else 180) * hidden * layers  # bytes per token
     checkpointed = 4 * hidden * layers + plain // layers  # bytes per token
-    # per parameter and shard: fp32 weights, gradients, AdamW's m and v: 16 bytes (LoRA's frozen
-    # base: 4), and the fp32 reference's 4
+    # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = 4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)
     per_param = 0 if cfg.fsdp_cpu_offload else per_param / (env.world if cfg.fsdp else 1)
     if cuda:
@@ -1963,8 +1909,7 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """The GPU memory that everything on the device uses (trainer + engine), and this process's
-    peak of allocated tensors since the step began: the max of the samples."""
+    """memory: the max of the samples of the GPU's used memory (trainer + engine) and our peak."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
@@ -1973,8 +1918,7 @@ def sample_memory(env, memory: dict):
 
 
 def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_info, reward_funcs):
-    """The step's global metrics: every rank's sums and counts in one all_reduce (one more for the
-    min/max), then MEANS and the rest."""
+    """The step's global metrics: every rank's sums in one all_reduce (one more: min/max)."""
     s = batch.stats
     local = {
         "reward": s["rewards"].nansum(),
@@ -2002,7 +1946,6 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-
     m = {name: t[num] / max(t[den], 1.0) for name, (num, den) in MEANS.items() if num in t}
     # Bessel-corrected, as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1))
     n = t["scored"]
@@ -2021,7 +1964,6 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
         m = {k: v for k, v in m.items() if on or not k.startswith(prefix)}
     m.update({f"time/{k}": v for k, v in ledger.items()})
     m["time/step"] = sum(ledger.values())
-    # throughput: the step's completion tokens (what the policy learns from) per second and GPU
     m["completion_tokens_per_sec_per_gpu"] = t["length"] / env.world / m["time/step"]
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
@@ -2081,19 +2023,16 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
 
 
 def make_logger(cfg, env) -> SimpleNamespace:
-    """write(record): a line of <output_dir>/metrics.jsonl (non-finite floats: null) and, with
-    --report_to, TensorBoard or W&B (rank 0 only); close() the tracker."""
+    """write(record): metrics.jsonl (non-finite: null) and the --report_to tracker; close()."""
     log = lambda record: None  # noqa: E731
     close = lambda: None  # noqa: E731
     if env.is_main and cfg.report_to == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
-
         tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
         log = lambda record: [tb.add_scalar(k, v, record["step"]) for k, v in record.items()]  # noqa
         close = tb.close
     if env.is_main and cfg.report_to == "wandb":
         import wandb
-
         run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
         log = lambda record: run.log(record, step=record["step"])  # noqa: E731
         close = run.finish
@@ -2105,13 +2044,11 @@ def make_logger(cfg, env) -> SimpleNamespace:
             with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(finite, allow_nan=False) + "\n")
             log(record)
-
     return SimpleNamespace(write=write, close=close)
 
 
 def log_completions(cfg, step, batch, reward_funcs, tokenizer):
-    """A few of this step's samples to read when a reward stays flat, in completions.jsonl: the
-    prompt, the completion, its advantage and each reward."""
+    """A few samples (prompt, completion, advantage, rewards) to completions.jsonl, to read."""
     ids = batch.completion_ids[:cfg.num_completions_to_print or None]
     with open(os.path.join(cfg.output_dir, "completions.jsonl"), "a") as f:
         for i, text in enumerate(tokenizer.batch_decode(ids, skip_special_tokens=True)):
@@ -2125,10 +2062,9 @@ def log_completions(cfg, step, batch, reward_funcs, tokenizer):
 # ---- G. The CLI and main ----
 
 def check_inputs(argv=None):
-    """Every input checked in this process before any process group, weights or engine: the flags,
-    the model's config, the data, the checkpoint, the memory plan. Returns (cfg, env, inputs,
-    error). A lone process ends here on a bad input (run.sh calls this alone first); torchrun's
-    ranks end together, after agree_at_start, whatever failed (a config error or any other)."""
+    """Every input (flags, model config, data, checkpoint, memory plan) checked before any process
+    group, weights or engine; returns (cfg, env, inputs, error). A lone process ends here on a bad
+    input (run.sh calls this first); torchrun's ranks end together, whatever failed."""
     cfg = None
     try:
         cfg = parse_args(argv)
@@ -2172,8 +2108,7 @@ def main(argv=None):
     setup_distributed(cfg, env, error, facts)  # a bad input on any rank stops every rank here
     try:
         llm = run(cfg, env, inputs)
-    # any failure: report it and leave NOW, so that torchrun ends the other ranks within seconds
-    # instead of leaving them waiting in a collective
+    # any failure: report it and leave NOW, so that torchrun ends the ranks waiting in a collective
     except BaseException as e:  # noqa: BLE001
         if not isinstance(e, ConfigError):
             print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
