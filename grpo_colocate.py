@@ -161,6 +161,7 @@ class Config:
     lora_target_modules: list[str] = arg([], "e.g. q_proj v_proj, or all-linear (peft's default)")
     # the run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
+    full_determinism: bool = arg(False, "deterministic trainer kernels, none compiled: slower")
     max_steps: int = arg(200, "optimizer steps")
     logging_steps: int = arg(1, "log every this many steps")
     eval_steps: int = arg(50, "greedy eval every this many steps (0: never), at 0 and the end")
@@ -479,6 +480,11 @@ def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logp
 COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
 
 
+def compiled(device: torch.device) -> bool:
+    """Compiled kernels on CUDA, unless --full_determinism asked for torch's deterministic ones."""
+    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+
+
 class TokenLogprobs(torch.autograd.Function):
     """Logprobs and entropies of hidden [n, H]'s targets (weight: lm_head [V, H]), a chunk at a
     time: no [n, V] logits at once. Backward recomputes each chunk's logits for logit_grads."""
@@ -489,7 +495,7 @@ class TokenLogprobs(torch.autograd.Function):
         device = hidden.device.type
         on = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if on else weight.dtype
-        stats = COMPILED[logit_stats] if hidden.is_cuda else logit_stats
+        stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
         w = weight.to(dtype)  # [V, H]
         out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
         for start in range(0, len(hidden), chunk_size):
@@ -508,7 +514,7 @@ class TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logps, grad_entropy):
         hidden, weight, targets, lse_kept, lse, entropy = ctx.saved_tensors
         temperature, top_k, top_p, chunk_size, dtype = ctx.args
-        grads = COMPILED[logit_grads] if hidden.is_cuda else logit_grads
+        grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
         grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps  # [n]
         grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy  # [n]
         w = weight.to(dtype)  # [V, H]
@@ -1150,6 +1156,8 @@ def setup_env(cfg: Config) -> SimpleNamespace:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rank = int(os.environ["RANK"])
+    if cfg.full_determinism:  # cuBLAS's deterministic workspace, set before its first call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     engine_bytes = 0  # what the engine maps when it wakes (weights, KV cache...), + 2 GiB to spare
@@ -1348,7 +1356,7 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
     """The policy (or the frozen reference) on this rank: whole under DDP, sharded under FSDP2."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
     # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md section 10)
-    for layer in lm.get_decoder().layers if env.device.type == "cuda" else ():
+    for layer in lm.get_decoder().layers if compiled(env.device) else ():
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
                 module.compile(dynamic=True)
@@ -1386,6 +1394,8 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     """The policy, the reference (--beta > 0), AdamW and the lr schedule, resumed from state."""
     from transformers import get_scheduler
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
+    # after LLM() too: vLLM's compiler refuses deterministic mode (README: Reproducible runs)
+    torch.use_deterministic_algorithms(cfg.full_determinism, warn_only=True)
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
     weights = cfg.model  # LoRA: the base; its adapter comes from the checkpoint (add_lora)
     if state and not cfg.use_peft:

@@ -4,7 +4,8 @@ step, of the engine's weights after each push, and the step's loss and grad norm
 
     torchrun --nproc_per_node 2 bench/determinism.py OUT <grpo_colocate flags>    # writes OUT.rank<r>.jsonl
     python bench/determinism.py compare A B                                     # the first record that differs
-DETERMINISTIC=1 also turns on torch.use_deterministic_algorithms (warn only) and cuBLAS's fixed workspace;
+Pass --full_determinism among the flags for the trainer's deterministic kernels (issue 35; DETERMINISTIC=1, which
+switched them on before the engine, crashed vLLM's compiler: the flag switches them on after it).
 ENGINE_SYNC=1 starts the engine without async scheduling and without prefix caching.
 """
 import hashlib
@@ -12,8 +13,6 @@ import json
 import os
 import sys
 
-if os.environ.get("DETERMINISTIC") == "1":
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
@@ -88,9 +87,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "compare":
         compare(sys.argv[2], sys.argv[3])
     else:
-        if os.environ.get("DETERMINISTIC") == "1":
-            torch.use_deterministic_algorithms(True, warn_only=True)
-            torch.backends.cudnn.deterministic = True
         if os.environ.get("ENGINE_SYNC") == "1":
             engine_sync()
         watch(sys.argv[1])

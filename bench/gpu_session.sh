@@ -32,7 +32,9 @@
 #   s12 STEPS issues 33-35 (BENCHMARKS.md section 12), after staging: STEPS of
 #             tests   the tests marked gpu, and a 2-step run of run.sh's GPU default
 #             det1    two identical 3-step runs on 2 GPUs (DDP), plain and with DETERMINISTIC=1: where they part
-#                     (bench/determinism.py); det2: the same with ENGINE_SYNC=1 too, DDP and FSDP2
+#                     (bench/determinism.py); det2: the same with ENGINE_SYNC=1 too, DDP and FSDP2 (both before the
+#                     flag; DETERMINISTIC=1 crashed the engine's compiler); det3: DDP plain (once, the cost), DDP and
+#                     FSDP2 with --full_determinism (twice each)
 #             learn   run.sh --max_steps 20 on one GPU (held-out accuracy before and after)
 #             smol    ours vs TRL at its defaults, SmolLM2, fixed 256-token completions, one GPU
 #             scale   the 1.5B shape (sleep on): one GPU, then 2 GPUs with DDP, FSDP2 and tp 2
@@ -192,19 +194,21 @@ s12)
     tail -3 "$OUT/s12-gpu-tests.txt"
     CUDA_VISIBLE_DEVICES=0 timeout 150 bash run.sh --model "$SMOL" --max_steps 2 --eval_steps 0 \
       --output_dir outputs/s12-smoke > "$OUT/s12-smoke.log" 2>&1; tail -4 "$OUT/s12-smoke.log" | cut -c1-300 ;;
-  det1|det2)  # det1: plain, torch's deterministic algorithms; det2: and a synchronous engine; FSDP2 with it
+  det1|det2|det3)  # det1: plain, torch's deterministic algorithms; det2: and a synchronous engine; FSDP2 with it
     mkdir -p /tmp/det
     D=(--model "$SMOL" --max_steps 3 --save_steps -1 --eval_steps 0 --num_eval 8)
     variants="ddp-plain ddp-det"; [ $step = det2 ] && variants="ddp-sync fsdp-sync"
+    [ $step = det3 ] && variants="ddp-plain ddp-fd fsdp-fd"
     for variant in $variants; do
       extra=(); [ "${variant%-*}" = fsdp ] && extra=(--fsdp)
-      for run in a b; do
-        ENGINE_SYNC=$([ "${variant#*-}" = sync ] && echo 1 || echo 0) \
-        DETERMINISTIC=$([ "${variant#*-}" = plain ] && echo 0 || echo 1) timeout 150 python3 -m torch.distributed.run \
+      [ "${variant#*-}" = fd ] && extra+=(--full_determinism)
+      runs="a b"; [ $step-$variant = det3-ddp-plain ] && runs=a
+      for run in $runs; do
+        ENGINE_SYNC=$([ "${variant#*-}" = sync ] && echo 1 || echo 0) timeout 150 python3 -m torch.distributed.run \
           --standalone --nproc_per_node 2 bench/determinism.py /tmp/det/$variant-$run "${D[@]}" "${extra[@]}" \
           --output_dir /tmp/det/out-$variant-$run > /tmp/det/$variant-$run.log 2>&1 || tail -5 /tmp/det/$variant-$run.log
       done
-      echo "== $variant"; python3 bench/determinism.py compare /tmp/det/$variant-a /tmp/det/$variant-b
+      echo "== $variant"; [ -f /tmp/det/$variant-b.rank0.jsonl ] && python3 bench/determinism.py compare /tmp/det/$variant-a /tmp/det/$variant-b
       grep -h "^step" /tmp/det/$variant-a.log | cut -c1-160
     done
     tar -czf "$OUT/$step.tar.gz" -C /tmp det --exclude='out-*' ;;
