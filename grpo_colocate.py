@@ -1394,8 +1394,9 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     """The policy, the reference (--beta > 0), AdamW and the lr schedule, resumed from state."""
     from transformers import get_scheduler
     torch.manual_seed(derive_seed(cfg.seed, "trainer", env.rank))  # after LLM(): it reseeds
-    # after LLM() too: vLLM's compiler refuses deterministic mode (README: Reproducible runs)
-    torch.use_deterministic_algorithms(cfg.full_determinism, warn_only=True)
+    # after LLM() too: vLLM's compiler refuses deterministic mode. Not warn_only: FlashAttention's
+    # backward keeps its atomics in that mode (README: When something goes wrong)
+    torch.use_deterministic_algorithms(cfg.full_determinism)
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
     weights = cfg.model  # LoRA: the base; its adapter comes from the checkpoint (add_lora)
     if state and not cfg.use_peft:

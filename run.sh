@@ -154,12 +154,12 @@ launch() {  # then curves.png from the run's metrics.jsonl (bench/plot_curves.py
   local n=$1; shift
   case " $* " in *" -h "*|*" --help "*) exec "$PY" grpo_colocate.py --help ;; esac
   if [ "$n" -le 1 ]; then
-    "$PY" grpo_colocate.py "$@"
+    "$PY" grpo_colocate.py "$@" || exit
   else
-    WORLD_SIZE=$n "$PY" -c 'import sys, grpo_colocate; grpo_colocate.check_inputs(sys.argv[1:])' "$@"
-    "${TORCHRUN[@]}" --nproc_per_node "$n" grpo_colocate.py "$@"
+    WORLD_SIZE=$n "$PY" -c 'import sys, grpo_colocate; grpo_colocate.check_inputs(sys.argv[1:])' "$@" || exit
+    "${TORCHRUN[@]}" --nproc_per_node "$n" grpo_colocate.py "$@" || exit
   fi
-  "$PY" bench/plot_curves.py "$@"
+  exec "$PY" bench/plot_curves.py "$@"  # the end of run.sh: a GPU run is not followed by the CPU one
 }
 
 if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU
