@@ -2777,7 +2777,7 @@ NEEDS_2_CUDA = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2
 def test_gpu_full_determinism_repeats_two_rank_runs(tmp_path, trainer):
     """Issue 35 item 1: two identical 2-GPU runs with --full_determinism log the same losses and
     gradient norms at every step (without it, the gradients of step 1 already differ in the last
-    bits: atomics in the embedding's backward)."""
+    bits: FlashAttention's backward adds with atomics)."""
     logs = []
     for name in ("a", "b"):
         out = str(tmp_path / name)
