@@ -1,8 +1,7 @@
 """grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process, in plain PyTorch.
 
-Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server,
-no HTTP, no GPU set aside for inference. The engine sleeps while the trainer works where the GPU
-cannot hold both; after every optimizer step the new weights are copied into it in-process.
+Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU (no server, no
+GPU set aside for inference), asleep while the trainer works, given the new weights after each step.
 
 Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
     python grpo_colocate.py                       # one process: 1 GPU, or the CPU
@@ -16,15 +15,12 @@ Reading order: Config; the parts of a step in the order it runs them (1-6); the 
 Shapes: P prompts, G completions each, N = P G, T the longest completion, L a packed micro-batch's
 tokens, H the hidden size, V the vocabulary, R reward functions.
 
-Implemented (README.md, Variants: each flag beside its paper):
-    GRPO (DeepSeekMath): group-relative advantages, the clipped surrogate, k3 KL to a frozen
-        reference, num_iterations > 1; TRL 1.16's loss normalisations (see NORMALISERS)
-    DAPO (clip-higher, overlong filtering and penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO,
-        SAPO, the entropy bonus and top-entropy tokens, the vLLM/trainer importance-sampling
-        correction (truncated or masked, token or sequence), tools (multi-turn rollouts)
-    DDP or FSDP2, activation checkpointing, LoRA (peft)
-    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
-        rollout_func, tensor or sequence parallelism in the trainer (vLLM's TP is generation only)
+Implemented (README.md, Variants): GRPO (group-relative advantages, the clipped surrogate, k3 KL,
+num_iterations > 1, TRL 1.16's loss normalisations); DAPO (clip-higher, overlong filtering and
+penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO, SAPO; the entropy bonus, top-entropy tokens;
+the vLLM/trainer importance-sampling correction; tools (multi-turn); DDP or FSDP2, activation
+checkpointing, LoRA. Not implemented: TRL's adaptive entropy coefficient, luspo / vespo,
+environment_factory, rollout_func, tensor or sequence parallelism in the trainer.
 """
 
 import functools
@@ -237,9 +233,8 @@ def tp_gather(obj, env) -> list:
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, a RequestOutput per prompt out (max_tokens: a tool turn's room per prompt). The
-    n completions of prompt i use seeds[i], seeds[i] + 1... whatever the batch or rank: a TP group
-    gathers its requests, runs them once, and each rank slices its own back (checked alike)."""
+    """Token ids in, a RequestOutput per prompt out; prompt i's n completions use seeds[i], seeds[i]
+    + 1... on any rank: a TP group runs its gathered requests once, each rank slices its own."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
@@ -252,8 +247,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     if env.tp > 1:  # hash() of ints and tuples is stable across processes
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
         if len(set(tp_gather(sampled, env))) > 1:
-            raise RuntimeError("the ranks of a TP group sampled different tokens: their requests "
-                               "or seeds differ")
+            raise RuntimeError("the ranks of a TP group sampled different tokens: inputs differ")
     start = sum(len(r) for r in everyone[:env.rank % env.tp])  # consecutive ranks: a TP group
     return outputs[start:start + len(requests)]
 
@@ -382,13 +376,15 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
     # what was generated (the model's tokens, not tool results), before dynamic sampling
     stats = {"generated_groups": len(rows), "varied_groups": int((~flat).sum()),
              "generated_tokens": sum(sum(s.model_mask) for s in samples), **tool_counts}
+    # the sequences trained: not dynamic sampling's uninformative groups that filled a short step
+    trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
     if cfg.dynamic_sampling_factor > 1:  # a step's worth of groups, the informative ones first
         groups = torch.argsort(flat.int(), stable=True)[:cfg.completions_per_rank // G]
         keep = (groups[:, None] * G + torch.arange(G)).flatten()  # their completions
         rows = [rows[g] for g in groups.tolist()]
         samples = [samples[i] for i in keep.tolist()]
         rewards_per_func = rewards_per_func[keep]
-        flat = flat[groups]
+        trained = ~flat[groups].repeat_interleave(G)  # [N]
     rewards = (rewards_per_func * reward_weights).nansum(1)  # [N]
     # unscorable (every function returned None): NaN, which compute_advantages leaves out (TRL)
     rewards[rewards_per_func.isnan().all(1)] = math.nan
@@ -406,10 +402,6 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
                                            batch_first=True)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in samples])
-    # the sequences trained: not dynamic sampling's uninformative groups that filled a short step
-    trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
-    if cfg.dynamic_sampling_factor > 1:
-        trained = ~flat.repeat_interleave(G)
     loss_mask = model_mask.float() * trained.float().unsqueeze(1)  # [N, T]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
@@ -492,9 +484,8 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
         # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
-        device = hidden.device.type
-        on = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if on else weight.dtype
+        on = torch.is_autocast_enabled(hidden.device.type)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if on else weight.dtype
         stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
         w = weight.to(dtype)  # [V, H]
         out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
@@ -507,7 +498,6 @@ class TokenLogprobs(torch.autograd.Function):
         logps, entropy, lse_kept, lse = out
         ctx.save_for_backward(hidden, weight, targets, lse_kept, lse, entropy)
         ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
-        ctx.set_materialize_grads(False)  # an unused output (mostly the entropy) gets None
         return logps, entropy
 
     @staticmethod
@@ -515,8 +505,7 @@ class TokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse_kept, lse, entropy = ctx.saved_tensors
         temperature, top_k, top_p, chunk_size, dtype = ctx.args
         grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
-        grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps  # [n]
-        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy  # [n]
+        # grad_logps, grad_entropy: [n] each; an unused output (mostly the entropy) gets zeros
         w = weight.to(dtype)  # [V, H]
         grad_hidden = torch.empty_like(hidden)  # [n, H]
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
@@ -571,19 +560,21 @@ NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cisp
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
 
 
-def loss_normaliser(loss_type: str, batch, world: int, num_micro_batches: int):
-    """(this rank's share of grpo_loss's global_count, each micro-batch loss's scale).
+def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
+    """(grpo_loss's global_count, each micro-batch loss's scale).
 
     A generation batch has one loss however ranks and micro-batches cut it: each micro-batch divides
-    its sum by the WHOLE global batch's count (the caller all-reduces the shares), so gradients add
-    up to the batch's; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no
+    its sum by the WHOLE global batch's count (all ranks' shares, summed here), so gradients add up
+    to the batch's; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no
     global count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
-    if normaliser == "tokens":
-        return batch.loss_mask.sum(), float(world)  # [N, T] -> loss tokens
-    return batch.trained.sum(), float(world)  # sequences (not dynamic sampling's fillers)
+    # loss tokens ([N, T] mask), or sequences (trained: not dynamic sampling's fillers)
+    count = (batch.loss_mask if normaliser == "tokens" else batch.trained).sum().to(env.device)
+    if env.world > 1:
+        dist.all_reduce(count)
+    return count.item(), float(env.world)
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=None,
@@ -632,17 +623,16 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
             kl = kl * ratio
         per_token = per_token + cfg.beta * kl
     normaliser = NORMALISERS[loss_type]
+    sequences = logps.shape[0] if global_count is None else global_count
     total = per_token * mask  # [B, T]
     if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
         loss = total.sum() / mask.sum().clamp(min=1)
     elif normaliser == "tokens":
         loss = total.sum() / torch.as_tensor(global_count, dtype=logps.dtype).clamp(min=1)
+    elif normaliser == "sequences":
+        loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     else:
-        sequences = logps.shape[0] if global_count is None else global_count
-        if normaliser == "sequences":
-            loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
-        else:
-            loss = total.sum() / (sequences * cfg.max_completion_length)
+        loss = total.sum() / (sequences * cfg.max_completion_length)
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
@@ -772,13 +762,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     """One optimizer step on this rank's generation batch, in micro-batches of <= budget tokens.
     Returns the logged sums (loss, clip_ratio/*, tokens...), grad_norm, skipped and canary_gap."""
     cuts = plan_micro_batches(batch, budget, env)
-    count, loss_scale = loss_normaliser(cfg.loss_type, batch, env.world, len(cuts))
-    global_count = None
-    if count is not None:
-        count = count.to(env.device)
-        if env.world > 1:
-            dist.all_reduce(count)
-        global_count = count.item()
+    global_count, loss_scale = loss_normaliser(cfg.loss_type, batch, env, len(cuts))
     # The logged sums stay tensors: a float() per stat and micro-batch would stall the GPU.
     sums = {}
 
@@ -789,17 +773,14 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]
         for i, mb in enumerate(micro_batches):
             # DDP all-reduces in the last backward only; FSDP2 in each (unsharded: a model more)
-            grad_sync = nullcontext()
-            if isinstance(policy, DDP) and i < len(micro_batches) - 1:
-                grad_sync = policy.no_sync()
-            with grad_sync:
+            sync = not isinstance(policy, DDP) or i == len(micro_batches) - 1
+            with nullcontext() if sync else policy.no_sync():
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.model_mask, cfg.temperature,
                                             cfg.top_k, cfg.top_p)  # [b, T] each
                 # The old logprobs, of the policy that sampled. num_iterations 1: this forward's,
-                # detached (the engine sampled with these weights, and no update comes between
-                # micro-batches): ratio = 1, the gradient is logp's, no extra forward. > 1, or LoRA
-                # dropout (this forward's is noisy): frozen by no_grad_logps, without dropout.
+                # detached (the engine sampled with these weights): ratio = 1, no extra forward.
+                # > 1, or LoRA dropout (this forward's is noisy): frozen by no_grad_logps.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
                 is_weights = None
                 if cfg.vllm_importance_sampling_correction:
@@ -839,11 +820,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         gap = 0.0 if math.isnan(gap) else gap
         stats["canary_gap"] = check_gap(gap, env, step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
-        params = [p for p in policy.parameters() if p.grad is not None]
         # ||g|| over the whole model (FSDP2: shards, so a DTensor), then g *= min(1, max / ||g||)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                                   cfg.max_grad_norm or math.inf)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         # a NaN/inf loss makes the gradient non-finite; the norm is global: all ranks agree
@@ -874,7 +853,6 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     Made a bucket ahead, handed over and dropped one by one: a lazy consumer holds a bucket more."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     bucket = []
-    size = 0
     for i, (name, p) in enumerate(params):
         tensor = full_tensor(p, dtype, device)
         if name.endswith(".base_layer.weight"):  # peft's <module>.base_layer: W of an adapter
@@ -884,11 +862,9 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
             tensor = (tensor.float() + layer.scaling["default"] * (B @ A)).to(dtype)
         # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
         bucket.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
-        size += tensor.nbytes
-        if size >= bucket_bytes or i == len(params) - 1:
+        if sum(t.nbytes for _, t in bucket) >= bucket_bytes or i == len(params) - 1:
             while bucket:
                 yield bucket.pop(0)
-            size = 0
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
@@ -932,9 +908,8 @@ def check_gap(gap: float, env, step, what: str) -> float:
     gap = gap.item()
     tolerance = PARITY_TOLERANCE[env.dtype]
     if gap > tolerance:
-        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| "
-                           f"{gap:.4g} > {tolerance} ({env.dtype}). The engine is not running the "
-                           "trained weights (a failed or stale push, or a name mismatch).")
+        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap|"
+                           f" {gap:.4g} > {tolerance} ({env.dtype}): a stale push or name mismatch")
     return gap
 
 

@@ -3357,10 +3357,10 @@ def test_filler_groups_do_not_count_as_sequences(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [1, 0, 2, 4], 2)  # only prompt 1's group varies: + 1 filler
     assert batch.trained.tolist() == [True, True, False, False]
     for loss_type in ("grpo", "sapo", "dr_grpo"):
-        count, scale = gc.loss_normaliser(loss_type, batch, 1, 1)
-        assert count.item() == 2 and scale == 1.0, loss_type  # not 4
-    count, _ = gc.loss_normaliser("dapo", batch, 1, 1)
-    assert count.item() == batch.loss_mask.sum().item()  # tokens: the fillers have none
+        count, scale = gc.loss_normaliser(loss_type, batch, cpu_env(), 1)
+        assert count == 2 and scale == 1.0, loss_type  # not 4
+    count, _ = gc.loss_normaliser("dapo", batch, cpu_env(), 1)
+    assert count == batch.loss_mask.sum().item()  # tokens: the fillers have none
 
 
 def test_weight_decay_skips_biases_and_norms(tiny_model):
