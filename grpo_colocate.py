@@ -56,6 +56,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF")  # incompatible with vLLM's sleep-mode allocator
 
+from msgspec.structs import replace  # noqa: E402 (vLLM's SamplingParams is a msgspec struct)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -232,7 +233,6 @@ def tp_gather(obj, env) -> list:
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
     """Token ids in, a RequestOutput per prompt out; prompt i's n completions use seeds[i], seeds[i]
     + 1... on any rank: a TP group runs its gathered requests once, each rank slices its own."""
-    from msgspec.structs import replace  # SamplingParams is a msgspec struct
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
     everyone = tp_gather(requests, env)  # the TP group's requests
@@ -263,7 +263,6 @@ def add_turn(c, sample=None) -> SimpleNamespace:
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None) -> dict:
     """--tools, TRL's loop: while a sample's last turn called tools, append their results (read,
     never trained on: model_mask 0) and its next turn. prompt_ids: each sample's. Returns counts."""
-    from msgspec.structs import replace  # SamplingParams is a msgspec struct
     counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
     if not cfg.tools:
         return counts
@@ -567,11 +566,10 @@ def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
     return count.item(), float(env.world)
 
 
-def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=None,
+def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
               keep=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
-    logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights (w):
-    [B, T] or [B, 1].
+    logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights w: [B, 1 or T]
         r_t  = exp(logp_t - old_logp_t)           (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (sequence level): one
                ratio per sequence, clipped whole and broadcast to its tokens
@@ -601,8 +599,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     else:
         clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]
-    if is_weights is not None:
-        per_token = per_token * is_weights
+    per_token = per_token * is_weights
     if cfg.beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
@@ -763,11 +760,10 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.model_mask, cfg.temperature,
                                             cfg.top_k, cfg.top_p)  # [b, T] each
-                # The old logprobs, of the policy that sampled. num_iterations 1: this forward's,
-                # detached (the engine sampled with these weights): ratio = 1, no extra forward.
-                # > 1, or LoRA dropout (this forward's is noisy): frozen by no_grad_logps.
+                # Old logprobs, the sampling policy's. num_iterations 1: this forward's, detached
+                # (the engine sampled these weights): ratio = 1. > 1, LoRA dropout: no_grad_logps.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
-                is_weights = None
+                is_weights = 1.0  # w = 1: no correction
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.model_mask,
                                                          cfg.vllm_importance_sampling_mode,
@@ -790,7 +786,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
             for k, v in loss_stats.items():
                 add(k, v * loss_tokens)
             add("entropy", (entropy * mb.loss_mask).sum())
-            if is_weights is not None:
+            if cfg.vllm_importance_sampling_correction:
                 add("logprob_gap", ((old - mb.vllm_logps).abs() * mb.model_mask).nansum())
                 add("gap_tokens", (mb.model_mask * ~mb.vllm_logps.isnan()).sum())
                 weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
