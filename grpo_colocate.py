@@ -651,12 +651,10 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
 def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
     """The q-quantile of the loss tokens' entropies on all ranks (TRL's get_high_entropy_mask)."""
     local = entropy.detach()[mask.bool()].float()  # [n]
-    if world > 1:  # pad every rank to the longest with -inf, gather, drop the padding
-        n = torch.tensor(local.numel(), device=local.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        everyone = [local.new_empty(int(n)) for _ in range(world)]
-        dist.all_gather(everyone, F.pad(local, (0, int(n) - local.numel()), value=-math.inf))
-        local = torch.cat(everyone)[torch.cat(everyone) > -math.inf]
+    if world > 1:  # every rank's loss tokens (as many as it has: objects, not equal tensors)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, local.cpu())
+        local = torch.cat(everyone).to(entropy.device)
     return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
