@@ -84,7 +84,6 @@ def arg(default, help: str):
 
 @dataclass
 class Config:
-    # model and data
     model: str = arg(DEFAULT_MODEL, "a hub id or a local HF dir (default: the embedded SmolLM2)")
     trust_remote_code: bool = arg(False, "run Python code that --model ships, if you trust it")
     dataset: str = arg("arithmetic", "arithmetic (built in), a hub name[:config], or a data file")
@@ -93,7 +92,6 @@ class Config:
     prompt_column: str = arg("prompt", "the prompts: strings or lists of chat messages")
     answer_column: str = arg("answer", "the references; reward functions get it as `answer`")
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
-    # the GRPO batch
     num_generations: int = arg(8, "G: completions sampled per prompt (a group)")
     per_device_train_batch_size: int = arg(16, "x gradient_accumulation_steps: completions a step")
     gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size")
@@ -101,13 +99,11 @@ class Config:
     max_prompt_length: int = arg(256, "longer prompts are dropped when the data loads")
     max_completion_length: int = arg(256, "new tokens per completion (the model's and tools')")
     num_iterations: int = arg(1, "mu: optimizer steps per generation batch")
-    # optimisation
     learning_rate: float = arg(1e-6, "AdamW's peak learning rate")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = arg("linear", "after warmup")
     warmup_steps: int = arg(0, "linear warmup: lr x s / W at step s < W (HF's schedulers)")
     weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms, as HF)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
-    # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: none is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (only num_iterations > 1)")
     epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: epsilon); cispo: its cap (0: 5)")
@@ -126,34 +122,28 @@ class Config:
     entropy_coef: float = arg(0.0, "loss -= coef x the loss tokens' mean entropy (0: off)")
     dynamic_sampling_factor: float = arg(1.0, "DAPO: sample F x the groups, train varied ones")
     dynamic_sampling_reward: str = arg("", "DAPO: the reward that must vary ('': the first)")
-    # rewards and tools
     reward_funcs: list[str] = arg(["accuracy_reward"], "reward_fns.py names, or module:function")
     reward_weights: list[float] = arg([], "one weight per reward function (default: 1.0 each)")
     tools: list[str] = arg([], "functions the model may call: reward_fns.TOOLS, module:function")
     max_tool_calling_iterations: int = arg(0, "tool-calling turns at most (0: no limit)")
-    # sampling
     temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use it too)")
     top_p: float = arg(1.0, "nucleus sampling (the trainer's logprobs: over the kept set)")
     top_k: int = arg(0, "top-k sampling, 0: off (the trainer's logprobs: over the kept set)")
     ignore_eos: bool = arg(False, "every completion runs to max_completion_length (benchmarks)")
-    # the colocated engine
     vllm_gpu_memory_utilization: float = arg(0.3, "the engine's share of the GPU: weights + KV")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per engine: consecutive ranks form a TP group")
     vllm_enable_sleep_mode: Literal["auto", "true", "false"] = arg("auto", "auto: memory_plan")
     vllm_sleep_level: Literal[1, 2] = arg(2, "1: weights to CPU RAM; 2: discarded")
     dtype: Literal["auto", "bfloat16", "float32"] = arg("auto", "engine, autocast: bf16 if CUDA")
     weight_push_bucket_mb: int = arg(1024, "MB of gathered tensors made ahead of the engine")
-    # scaling the trainer
     fsdp: bool = arg(False, "shard weights, gradients and AdamW over all ranks (FSDP2), not DDP")
     fsdp_cpu_offload: bool = arg(False, "with --fsdp: the shards and AdamW in CPU RAM")
     gradient_checkpointing: Literal["auto", "true", "false"] = arg("auto", "auto: memory_plan")
-    # LoRA (peft): the adapters train, the base is frozen, the engine runs W + (alpha / r) B A
     use_peft: bool = arg(False, "train LoRA adapters (peft) instead of every weight")
     lora_r: int = arg(16, "LoRA rank r")
     lora_alpha: int = arg(32, "LoRA scale: the update is (lora_alpha / lora_r) B A")
     lora_dropout: float = arg(0.0, "adapter dropout in the training forward (README, LoRA)")
     lora_target_modules: list[str] = arg([], "e.g. q_proj v_proj, or all-linear (peft's default)")
-    # the run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     full_determinism: bool = arg(False, "deterministic trainer kernels, none compiled: slower")
     max_steps: int = arg(200, "optimizer steps")
@@ -553,13 +543,12 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 
 def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
     """(grpo_loss's global_count, each micro-batch loss's scale): each micro-batch divides its sum
-    by the WHOLE global batch's count (all ranks'), so the gradients add up to the batch's whatever
-    the cuts; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no global
-    count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
+    by the WHOLE global batch's loss tokens or trained sequences (all ranks'), so gradients sum to
+    the batch's whatever the cuts; DDP and FSDP2 average over ranks (/ world): x world undoes that.
+    bnpo: no global count; each micro-batch's mean weighs 1 / num_micro_batches; ranks average."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
-    # loss tokens ([N, T] mask), or sequences (trained: not dynamic sampling's fillers)
     count = (batch.loss_mask if normaliser == "tokens" else batch.trained).sum().to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
@@ -709,7 +698,6 @@ def micro_batch(batch, seqs: range, device):
     """Sequences `seqs` on device: Policy's packed inputs, [b, T] tensors cut to their longest."""
     seqs = slice(seqs.start, seqs.stop)
     T = max(1, max(map(len, batch.completion_ids[seqs])))
-
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[seqs, :T].to(device)
     model_mask = batch.model_mask[seqs, :T]  # on the host: pack reads it
@@ -739,13 +727,11 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
-    """One optimizer step on this rank's generation batch, in micro-batches of <= budget tokens.
-    Returns the logged sums (loss, clip_ratio/*, tokens...), grad_norm, skipped and canary_gap."""
+    """One AdamW step on this rank's batch: the logged sums, grad_norm, skipped and canary_gap."""
     cuts = plan_micro_batches(batch, budget, env)
     global_count, loss_scale = loss_normaliser(cfg.loss_type, batch, env, len(cuts))
     # The logged sums stay tensors: a float() per stat and micro-batch would stall the GPU.
     sums = {}
-
     def add(name, value):
         sums[name] = sums.get(name, 0.0) + value.detach().float()
     with timed(ledger, "fwd_bwd", env):
