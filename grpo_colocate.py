@@ -221,8 +221,8 @@ def tp_gather(obj, env) -> list:
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, a RequestOutput per prompt out; prompt i's n completions use seeds[i], seeds[i]
-    + 1... on any rank: a TP group runs its gathered requests once, each rank slices its own."""
+    """Token ids in, a RequestOutput per prompt out (max_tokens: each's); prompt i's n completions
+    use seeds[i], seeds[i] + 1... on any rank: a TP group runs its requests once, ranks slice."""
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
     everyone = tp_gather(requests, env)  # the TP group's requests
