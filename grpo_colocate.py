@@ -983,9 +983,6 @@ class ColocatedEngine:
 
 # ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
 
-MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
-
-
 def run(cfg: Config, env, inputs):
     from tqdm import tqdm
     tokenizer, train_rows, eval_rows = inputs.data
@@ -1041,17 +1038,17 @@ def run(cfg: Config, env, inputs):
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.sleep(ledger)  # the trainer gets the GPU
 
-            # ======== score: every reward function on the decoded completions
+            # ======== score: every reward function on the decoded completions, [N, R]
             with timed(ledger, "reward", env):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
-                                         cfg.num_generations, tokenizer,
-                                         cfg.max_completion_length)  # [N, R]
+                                         cfg.num_generations, tokenizer, cfg.max_completion_length)
 
             # ======== advantages: group-relative, after DAPO's dynamic sampling
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
             steps_on_batch = 0
-            # no-grad passes: the frozen old logprobs (see train_step), the reference's (beta > 0)
+
+            # ======== logprobs: no-grad passes, the frozen old ones (train_step), the reference's
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
                     policy = unwrap(trainer.policy)
@@ -1071,10 +1068,9 @@ def run(cfg: Config, env, inputs):
         skipped_total += int(train_stats["skipped"])
         if train_stats["skipped"]:  # a non-finite loss or gradient: no update
             print0(f"step {step}: non-finite loss or gradient, skipped")
-        if skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-            raise RuntimeError(f"step {step}: {skipped_in_a_row} non-finite steps in a row; lower "
-                               "--learning_rate, look for NaN/inf in the rewards, or resume from "
-                               f"the last checkpoint in {cfg.output_dir}")
+        if skipped_in_a_row == 3:  # non-finite steps in a row end the run
+            raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
+                               "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
 
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
         every = cfg.save_steps > 0 and step % cfg.save_steps == 0
@@ -1099,15 +1095,13 @@ def run(cfg: Config, env, inputs):
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, record))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
-            eval_time = {}
-            with timed(eval_time, "eval", env):
+            with timed(record, "time/eval", env):  # a push and a sleep mid-cycle count in it
                 mid_cycle = steps_on_batch < cfg.num_iterations  # the engine's weights are older
                 if mid_cycle:
-                    engine.wake_and_push(trainer.policy, step, eval_time)
+                    engine.wake_and_push(trainer.policy, step, {})
                 record.update(evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step))
                 if mid_cycle:  # the trainer goes on with this batch
-                    engine.sleep(eval_time)
-            record["time/eval"] = eval_time["eval"]
+                    engine.sleep({})
         if len(record) > 1:
             log.write(record)
             if cfg.log_completions and env.is_main:
@@ -1118,7 +1112,6 @@ def run(cfg: Config, env, inputs):
         log.close()
     except Exception as e:  # noqa: BLE001
         print(f"the tracker did not close: {e!r}", file=sys.stderr)
-    return llm
 
 
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> dict:
@@ -1826,15 +1819,14 @@ def load_optimizer(path: str, policy, optimizer):
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
 
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
-    """tokens (a micro-batch's budget), checkpointing and sleep, from the planned peak per rank in
-    85% of the GPU (a CPU: of this process's share of the RAM); why: the sleep decision, printed.
-    Activations per token: 120 H layers bytes on CUDA (at 1.5B 9,664 tokens took 46 GiB), 180 in
-    fp32 on a CPU (SmolLM2: 2.9 MB); checkpointed, each layer's input and one layer's."""
+    """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
+    peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
+    120 H layers bytes on CUDA (1.5B: 9,664 tokens, 46 GiB), 180 fp32 on a CPU (SmolLM2: 2.9 MB)."""
     hidden = model_config.hidden_size
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
     plain = (120 if cuda else 180) * hidden * layers  # bytes per token
-    checkpointed = 4 * hidden * layers + plain // layers  # bytes per token
+    checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = 4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)
     per_param = 0 if cfg.fsdp_cpu_offload else per_param / (env.world if cfg.fsdp else 1)
@@ -1884,7 +1876,7 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H20
                    "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 # The logged means: metric -> (numerator, denominator), each summed over every rank in one
-# all_reduce. grpo_loss's stats are token means: train_step weighs them by loss tokens ("tokens").
+# all_reduce (grpo_loss's token means weighed by loss tokens, "tokens"; tools/: TRL's definitions).
 MEANS = {
     "reward": ("reward", "scored"),
     "completion_length/mean": ("length", "completions"),
@@ -1898,11 +1890,9 @@ MEANS = {
     "logprob_gap": ("logprob_gap", "gap_tokens"),
     "is_weight/mean": ("is_weight", "completion_tokens"),
     "is_weight/masked": ("is_masked", "completion_tokens"),
-    # as TRL: calls per generated completion, failures per call
     "tools/call_frequency": ("tool_calls", "generated_completions"),
     "tools/failure_frequency": ("tool_failures", "tool_calls"),
     "tools/turns": ("turns", "generated_completions"),
-    # the informative share of the generated groups, and the extra generation that costs
     "dynamic_sampling/informative_fraction": ("varied_groups", "generated_groups"),
     "dynamic_sampling/generated_per_trained_token": ("generated_tokens", "length"),
 }
@@ -1920,12 +1910,11 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """memory: the max of the samples of the GPU's used memory (trainer + engine) and our peak."""
+    """memory: the max of the GPU's used memory (trainer + engine) sampled, our peak in the step."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
-        peak = torch.cuda.max_memory_allocated(env.device) / 2**30
-        memory["peak_allocated"] = max(memory.get("peak_allocated", 0.0), peak)
+        memory["peak_allocated"] = torch.cuda.max_memory_allocated(env.device) / 2**30
 
 
 def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_info, reward_funcs):
@@ -1943,15 +1932,11 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
         "truncated": s["truncated"].sum(),
         "generated_completions": s["generated_groups"] * cfg.num_generations,
     }
-    for key in ("prompt_tokens", "generated_groups", "varied_groups", "generated_tokens",
-                "tool_calls", "tool_failures", "turns"):
-        local[key] = s[key]
+    local.update({k: v for k, v in s.items() if not torch.is_tensor(v)})  # make_batch's counts
     for j, fn in enumerate(reward_funcs):  # each function's mean over what it scored (nanmean)
         local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nansum()
         local[f"scored/{fn.__name__}"] = (~s["rewards_per_func"][:, j].isnan()).sum()
-    for key, value in train_stats.items():
-        if key not in ("grad_norm", "skipped", "canary_gap"):
-            local[key] = value
+    local.update(train_stats)  # its sums (and grad_norm, skipped, canary_gap: not means, unread)
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
     t = dict(zip(local, totals.tolist()))
@@ -1982,9 +1967,8 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     if peak := peak_flops(env):
         train_time = ledger["fwd_bwd"] + ledger["optimizer"]
         m["mfu"] = 6 * n_params * (t["prompt_tokens"] + t["length"]) / env.world / train_time / peak
-    if env.device.type == "cuda":  # the trainer's peak; trainer + engine, as the driver sees them
-        m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)
-        m["memory/device_used_gib"] = memory.get("device_used", 0.0)
+    # CUDA: the trainer's peak; trainer + engine, as the driver sees them
+    m.update({f"memory/{k}_gib": v for k, v in memory.items()})
     return m
 
 
@@ -2118,7 +2102,7 @@ def main(argv=None):
                                             state.get("data_position"))}
     setup_distributed(cfg, env, error, facts)  # a bad input on any rank stops every rank here
     try:
-        llm = run(cfg, env, inputs)
+        run(cfg, env, inputs)
     # any failure: report it and leave NOW, so that torchrun ends the ranks waiting in a collective
     except BaseException as e:  # noqa: BLE001
         if not isinstance(e, ConfigError):
@@ -2127,8 +2111,7 @@ def main(argv=None):
             print(f"error: {e} (rank {env.rank})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2 if isinstance(e, ConfigError) else 1)
-    # teardown: the engine first (it holds process groups of its own), then ours
-    del llm
+    # teardown: the engine went with run's return (it holds process groups of its own), then ours
     dist.barrier()
     dist.destroy_process_group()
     print0("done")
