@@ -1073,8 +1073,7 @@ def run(cfg: Config, env, inputs):
                                "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
 
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
-        every = cfg.save_steps > 0 and step % cfg.save_steps == 0
-        if every or is_last_step and cfg.save_steps >= 0:
+        if cfg.save_steps >= 0 and (is_last_step or cfg.save_steps and step % cfg.save_steps == 0):
             with timed(ledger, "save", env):
                 path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position,
                                        train_rows)
@@ -1834,8 +1833,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
         device_bytes = torch.cuda.mem_get_info(env.device)[1]
         engine_bytes = env.engine_bytes
     else:  # this process's share of the RAM, less 2 GiB of runtime; the engine stays awake
-        device_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world
-        device_bytes -= 2**31
+        device_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world - 2**31
         engine_bytes = cpu_kv_cache_bytes(cfg, env, model_config) + 4 * num_params
     asleep_room = 0.85 * device_bytes - per_param * num_params  # bytes, the engine asleep
     awake_room = asleep_room - engine_bytes
@@ -1862,10 +1860,9 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
             why = f"off (auto: {awake_cuts} micro-batches awake, as asleep)"
             room = awake_room
     tokens = budget(room)
-    need(tokens >= cfg.longest_sequence, "max_completion_length",
-         f"a sequence of {cfg.longest_sequence} tokens needs "
-         f"{cfg.longest_sequence * per_token / 2**30:.1f} GiB of activations; "
-         f"{max(room, 0) / 2**30:.1f} GiB are free: shorten it, or shard with --fsdp")
+    need(tokens >= cfg.longest_sequence, "max_completion_length", f"a sequence of "
+         f"{cfg.longest_sequence} tokens needs {cfg.longest_sequence * per_token / 2**30:.1f} GiB of "
+         f"activations; {max(room, 0) / 2**30:.1f} GiB are free: shorten it, or shard with --fsdp")
     return SimpleNamespace(tokens=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
@@ -2057,9 +2054,8 @@ def log_completions(cfg, step, batch, reward_funcs, tokenizer):
 # ---- G. The CLI and main ----
 
 def check_inputs(argv=None):
-    """Every input (flags, model config, data, checkpoint, memory plan) checked before any process
-    group, weights or engine; returns (cfg, env, inputs, error). A lone process ends here on a bad
-    input (run.sh calls this first); torchrun's ranks end together, whatever failed."""
+    """Every input (flags, model, data, checkpoint, memory plan) checked before any engine: (cfg,
+    env, inputs, error). A lone process exits here on a bad one; torchrun's ranks stop together."""
     cfg = None
     try:
         cfg = parse_args(argv)
@@ -2071,15 +2067,19 @@ def check_inputs(argv=None):
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
         data = prepare_data(cfg)
+        rows = rows_digest(data[1])  # the training rows, which a data position counts in
         state = None
-        if cfg.resume_from_checkpoint:  # the training rows that its data position counts in
+        if cfg.resume_from_checkpoint:
             state = read_checkpoint_state(cfg.resume_from_checkpoint)
-            need(state.get("rows", rows_digest(data[1])) == rows_digest(data[1]), "dataset",
-                 f"the training rows ({rows_digest(data[1])}) are not the checkpoint's "
-                 f"({state['rows']}): the data or the model's chat template changed; resume with those")
+            need(state.get("rows", rows) == rows, "dataset", f"the training rows ({rows}) are not "
+                 f"the checkpoint's ({state['rows']}): resume with its data and chat template")
         num_params = sum(p.numel() for p in meta_model(cfg, model_config).parameters())
         plan = memory_plan(cfg, env, model_config, num_params)
-        return cfg, env, SimpleNamespace(model_config=model_config, data=data, state=state, plan=plan), None
+        resumed = state or {}  # for the facts every rank must have decided alike (agree_at_start)
+        facts = {"vllm_enable_sleep_mode": plan.sleep, "dataset": rows, "resume_from_checkpoint":
+                 (cfg.resume_from_checkpoint, resumed.get("step"), resumed.get("data_position"))}
+        inputs = SimpleNamespace(model_config=model_config, data=data, state=state, plan=plan, facts=facts)
+        return cfg, env, inputs, None
     except Exception as e:  # noqa: BLE001 - under torchrun, routed to every rank (agree_at_start)
         config_error = isinstance(e, ConfigError)
         if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks
@@ -2094,13 +2094,8 @@ def check_inputs(argv=None):
 
 def main(argv=None):
     cfg, env, inputs, error = check_inputs(argv)
-    facts = {}  # what every rank must have decided alike (agree_at_start)
-    if inputs:
-        state = inputs.state or {}
-        facts = {"vllm_enable_sleep_mode": inputs.plan.sleep, "dataset": rows_digest(inputs.data[1]),
-                 "resume_from_checkpoint": (cfg.resume_from_checkpoint, state.get("step"),
-                                            state.get("data_position"))}
-    setup_distributed(cfg, env, error, facts)  # a bad input on any rank stops every rank here
+    # a bad input on any rank, or facts the ranks decided apart, stop every rank here
+    setup_distributed(cfg, env, error, inputs and inputs.facts)
     try:
         run(cfg, env, inputs)
     # any failure: report it and leave NOW, so that torchrun ends the ranks waiting in a collective
