@@ -1029,8 +1029,7 @@ def run(cfg: Config, env, inputs):
         # a resumed run generates first, even if it was saved mid-way through num_iterations
         if batch is None or steps_on_batch == cfg.num_iterations:
             # ======== generate: G completions per prompt, by the engine holding the latest weights
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
-                                            cfg.seed)
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
             with timed(ledger, "generate", env):
                 prompt_ids = [row["prompt_ids"] for row in rows]
@@ -1044,8 +1043,7 @@ def run(cfg: Config, env, inputs):
                                          cfg.num_generations, tokenizer, cfg.max_completion_length)
 
             # ======== advantages: group-relative, after DAPO's dynamic sampling
-            batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
-                               reward_weights, tool_counts)
+            batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts)
             steps_on_batch = 0
 
             # ======== logprobs: no-grad passes, the frozen old ones (train_step), the reference's
@@ -1055,8 +1053,7 @@ def run(cfg: Config, env, inputs):
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.tokens)
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
                     with trainer.lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env,
-                                                        plan.tokens)
+                        batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env, plan.tokens)
 
         # ======== train: packed micro-batches, the loss, one AdamW step
         lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -1075,8 +1072,7 @@ def run(cfg: Config, env, inputs):
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
         if cfg.save_steps >= 0 and (is_last_step or cfg.save_steps and step % cfg.save_steps == 0):
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position,
-                                       train_rows)
+                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position, train_rows)
             print0(f"saved {path}")
 
         # ======== push: the trained weights into the engine, which generates next
@@ -1949,9 +1945,8 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     m["completion_length/min"] = -extremes[1].item()
     m["completion_length/max"] = extremes[0].item()
     m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
-    m["grad_norm"] = train_stats["grad_norm"]
-    if "canary_gap" in train_stats:  # a max over ranks
-        m["canary_gap"] = train_stats["canary_gap"]
+    # global already: the norm of the whole gradient, the canary's max over ranks
+    m.update({k: train_stats[k] for k in ("grad_norm", "canary_gap") if k in train_stats})
     m.update(push_info)  # the last push's metrics
     for prefix, on in (("tools/", cfg.tools), ("dynamic_sampling/", cfg.dynamic_sampling_factor > 1)):
         m = {k: v for k, v in m.items() if on or not k.startswith(prefix)}
@@ -1964,8 +1959,7 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     if peak := peak_flops(env):
         train_time = ledger["fwd_bwd"] + ledger["optimizer"]
         m["mfu"] = 6 * n_params * (t["prompt_tokens"] + t["length"]) / env.world / train_time / peak
-    # CUDA: the trainer's peak; trainer + engine, as the driver sees them
-    m.update({f"memory/{k}_gib": v for k, v in memory.items()})
+    m.update({f"memory/{k}_gib": v for k, v in memory.items()})  # CUDA's, from sample_memory
     return m
 
 
@@ -2094,8 +2088,7 @@ def check_inputs(argv=None):
 
 def main(argv=None):
     cfg, env, inputs, error = check_inputs(argv)
-    # a bad input on any rank, or facts the ranks decided apart, stop every rank here
-    setup_distributed(cfg, env, error, inputs and inputs.facts)
+    setup_distributed(cfg, env, error, inputs and inputs.facts)  # any rank's bad input stops all
     try:
         run(cfg, env, inputs)
     # any failure: report it and leave NOW, so that torchrun ends the ranks waiting in a collective
