@@ -1036,16 +1036,13 @@ def run(cfg: Config, env, inputs):
                 samples, tool_counts = rollout(llm, cfg, env, tokenizer, prompt_ids, positions)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.sleep(ledger)  # the trainer gets the GPU
-
             # ======== score: every reward function on the decoded completions, [N, R]
             with timed(ledger, "reward", env):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
                                          cfg.num_generations, tokenizer, cfg.max_completion_length)
-
             # ======== advantages: group-relative, after DAPO's dynamic sampling
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts)
             steps_on_batch = 0
-
             # ======== logprobs: no-grad passes, the frozen old ones (train_step), the reference's
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
@@ -1945,8 +1942,7 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     m["completion_length/min"] = -extremes[1].item()
     m["completion_length/max"] = extremes[0].item()
     m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
-    # global already: the norm of the whole gradient, the canary's max over ranks
-    m.update({k: train_stats[k] for k in ("grad_norm", "canary_gap") if k in train_stats})
+    m.update({k: train_stats[k] for k in ("grad_norm", "canary_gap") if k in train_stats})  # global
     m.update(push_info)  # the last push's metrics
     for prefix, on in (("tools/", cfg.tools), ("dynamic_sampling/", cfg.dynamic_sampling_factor > 1)):
         m = {k: v for k, v in m.items() if on or not k.startswith(prefix)}
