@@ -922,9 +922,6 @@ class ColocatedEngine:
 
 # ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
 
-MAX_SKIPPED_IN_A_ROW = 3  # non-finite steps in a row that end the run
-
-
 def run(cfg: Config, env, inputs):
     from tqdm import tqdm
     tokenizer, train_rows, eval_rows = inputs.data
@@ -971,34 +968,28 @@ def run(cfg: Config, env, inputs):
         # a resumed run generates first, even if it was saved mid-way through num_iterations
         if batch is None or steps_on_batch == cfg.num_iterations:
             # ======== generate: G completions per prompt, by the engine holding the latest weights
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
-                                            cfg.seed)
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
             with timed(ledger, "generate", env):
                 prompt_ids = [row["prompt_ids"] for row in rows]
                 samples, tool_counts = rollout(llm, cfg, env, tokenizer, prompt_ids, positions)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.sleep(ledger)  # the trainer gets the GPU
-
-            # ======== score: every reward function on the decoded completions
+            # ======== score: every reward function on the decoded completions, [N, R]
             with timed(ledger, "reward", env):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
-                                         cfg.num_generations, tokenizer,
-                                         cfg.max_completion_length)  # [N, R]
-
+                                         cfg.num_generations, tokenizer, cfg.max_completion_length)
             # ======== advantages: group-relative, after DAPO's dynamic sampling
-            batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
-                               reward_weights, tool_counts)
+            batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts)
             steps_on_batch = 0
-            # no-grad passes: the frozen old logprobs (see train_step), the reference's (beta > 0)
+            # ======== logprobs: no-grad passes, the frozen old ones (train_step), the reference's
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
                     policy = unwrap(trainer.policy)
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.tokens)
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
                     with trainer.lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env,
-                                                        plan.tokens)
+                        batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env, plan.tokens)
 
         # ======== train: packed micro-batches, the loss, one AdamW step
         lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -1010,17 +1001,14 @@ def run(cfg: Config, env, inputs):
         skipped_total += int(train_stats["skipped"])
         if train_stats["skipped"]:  # a non-finite loss or gradient: no update
             print0(f"step {step}: non-finite loss or gradient, skipped")
-        if skipped_in_a_row == MAX_SKIPPED_IN_A_ROW:
-            raise RuntimeError(f"step {step}: {skipped_in_a_row} non-finite steps in a row; lower "
-                               "--learning_rate, look for NaN/inf in the rewards, or resume from "
-                               f"the last checkpoint in {cfg.output_dir}")
+        if skipped_in_a_row == 3:  # non-finite steps in a row end the run
+            raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
+                               "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
 
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
-        every = cfg.save_steps > 0 and step % cfg.save_steps == 0
-        if every or is_last_step and cfg.save_steps >= 0:
+        if cfg.save_steps >= 0 and (is_last_step or cfg.save_steps and step % cfg.save_steps == 0):
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position,
-                                       train_rows)
+                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position, train_rows)
             print0(f"saved {path}")
 
         # ======== push: the trained weights into the engine, which generates next
@@ -1038,15 +1026,13 @@ def run(cfg: Config, env, inputs):
             if env.is_main:
                 bar.write(log_line(step, cfg.max_steps, record))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
-            eval_time = {}
-            with timed(eval_time, "eval", env):
+            with timed(record, "time/eval", env):  # a push and a sleep mid-cycle count in it
                 mid_cycle = steps_on_batch < cfg.num_iterations  # the engine's weights are older
                 if mid_cycle:
-                    engine.wake_and_push(trainer.policy, step, eval_time)
+                    engine.wake_and_push(trainer.policy, step, {})
                 record.update(evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step))
                 if mid_cycle:  # the trainer goes on with this batch
-                    engine.sleep(eval_time)
-            record["time/eval"] = eval_time["eval"]
+                    engine.sleep({})
         if len(record) > 1:
             log.write(record)
             if cfg.log_completions and env.is_main:
@@ -1057,7 +1043,6 @@ def run(cfg: Config, env, inputs):
         log.close()
     except Exception as e:  # noqa: BLE001
         print(f"the tracker did not close: {e!r}", file=sys.stderr)
-    return llm
 
 
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> dict:
@@ -1765,15 +1750,14 @@ def load_optimizer(path: str, policy, optimizer):
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
 
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
-    """tokens (a micro-batch's budget), checkpointing and sleep, from the planned peak per rank in
-    85% of the GPU (a CPU: of this process's share of the RAM); why: the sleep decision, printed.
-    Activations per token: 120 H layers bytes on CUDA (at 1.5B 9,664 tokens took 46 GiB), 180 in
-    fp32 on a CPU (SmolLM2: 2.9 MB); checkpointed, each layer's input and one layer's."""
+    """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
+    peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
+    120 H layers bytes on CUDA (1.5B: 9,664 tokens, 46 GiB), 180 fp32 on a CPU (SmolLM2: 2.9 MB)."""
     hidden = model_config.hidden_size
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
     plain = (120 if cuda else 180) * hidden * layers  # bytes per token
-    checkpointed = 4 * hidden * layers + plain // layers  # bytes per token
+    checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = 4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)
     per_param = 0 if cfg.fsdp_cpu_offload else per_param / (env.world if cfg.fsdp else 1)
@@ -1781,8 +1765,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
         device_bytes = torch.cuda.mem_get_info(env.device)[1]
         engine_bytes = env.engine_bytes
     else:  # this process's share of the RAM, less 2 GiB of runtime; the engine stays awake
-        device_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world
-        device_bytes -= 2**31
+        device_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / env.local_world - 2**31
         engine_bytes = cpu_kv_cache_bytes(cfg, env, model_config) + 4 * num_params
     asleep_room = 0.85 * device_bytes - per_param * num_params  # bytes, the engine asleep
     awake_room = asleep_room - engine_bytes
@@ -1809,10 +1792,9 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
             why = f"off (auto: {awake_cuts} micro-batches awake, as asleep)"
             room = awake_room
     tokens = budget(room)
-    need(tokens >= cfg.longest_sequence, "max_completion_length",
-         f"a sequence of {cfg.longest_sequence} tokens needs "
-         f"{cfg.longest_sequence * per_token / 2**30:.1f} GiB of activations; "
-         f"{max(room, 0) / 2**30:.1f} GiB are free: shorten it, or shard with --fsdp")
+    need(tokens >= cfg.longest_sequence, "max_completion_length", f"a sequence of "
+         f"{cfg.longest_sequence} tokens needs {cfg.longest_sequence * per_token / 2**30:.1f} GiB of "
+         f"activations; {max(room, 0) / 2**30:.1f} GiB are free: shorten it, or shard with --fsdp")
     return SimpleNamespace(tokens=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
@@ -1823,7 +1805,7 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H20
                    "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
 
 # The logged means: metric -> (numerator, denominator), each summed over every rank in one
-# all_reduce. grpo_loss's stats are token means: train_step weighs them by loss tokens ("tokens").
+# all_reduce (grpo_loss's token means weighed by loss tokens, "tokens"; tools/: TRL's definitions).
 MEANS = {
     "reward": ("reward", "scored"),
     "completion_length/mean": ("length", "completions"),
@@ -1837,11 +1819,9 @@ MEANS = {
     "logprob_gap": ("logprob_gap", "gap_tokens"),
     "is_weight/mean": ("is_weight", "completion_tokens"),
     "is_weight/masked": ("is_masked", "completion_tokens"),
-    # as TRL: calls per generated completion, failures per call
     "tools/call_frequency": ("tool_calls", "generated_completions"),
     "tools/failure_frequency": ("tool_failures", "tool_calls"),
     "tools/turns": ("turns", "generated_completions"),
-    # the informative share of the generated groups, and the extra generation that costs
     "dynamic_sampling/informative_fraction": ("varied_groups", "generated_groups"),
     "dynamic_sampling/generated_per_trained_token": ("generated_tokens", "length"),
 }
@@ -1859,12 +1839,11 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """memory: the max of the samples of the GPU's used memory (trainer + engine) and our peak."""
+    """memory: the max of the GPU's used memory (trainer + engine) sampled, our peak in the step."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
-        peak = torch.cuda.max_memory_allocated(env.device) / 2**30
-        memory["peak_allocated"] = max(memory.get("peak_allocated", 0.0), peak)
+        memory["peak_allocated"] = torch.cuda.max_memory_allocated(env.device) / 2**30
 
 
 def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_info, reward_funcs):
@@ -1882,15 +1861,11 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
         "truncated": s["truncated"].sum(),
         "generated_completions": s["generated_groups"] * cfg.num_generations,
     }
-    for key in ("prompt_tokens", "generated_groups", "varied_groups", "generated_tokens",
-                "tool_calls", "tool_failures", "turns"):
-        local[key] = s[key]
+    local.update({k: v for k, v in s.items() if not torch.is_tensor(v)})  # make_batch's counts
     for j, fn in enumerate(reward_funcs):  # each function's mean over what it scored (nanmean)
         local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nansum()
         local[f"scored/{fn.__name__}"] = (~s["rewards_per_func"][:, j].isnan()).sum()
-    for key, value in train_stats.items():
-        if key not in ("grad_norm", "skipped", "canary_gap"):
-            local[key] = value
+    local.update(train_stats)  # its sums (and grad_norm, skipped, canary_gap: not means, unread)
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
     t = dict(zip(local, totals.tolist()))
@@ -1906,9 +1881,7 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     m["completion_length/min"] = -extremes[1].item()
     m["completion_length/max"] = extremes[0].item()
     m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
-    m["grad_norm"] = train_stats["grad_norm"]
-    if "canary_gap" in train_stats:  # a max over ranks
-        m["canary_gap"] = train_stats["canary_gap"]
+    m.update({k: train_stats[k] for k in ("grad_norm", "canary_gap") if k in train_stats})  # global
     m.update(push_info)  # the last push's metrics
     for prefix, on in (("tools/", cfg.tools), ("dynamic_sampling/", cfg.dynamic_sampling_factor > 1)):
         m = {k: v for k, v in m.items() if on or not k.startswith(prefix)}
@@ -1921,9 +1894,7 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     if peak := peak_flops(env):
         train_time = ledger["fwd_bwd"] + ledger["optimizer"]
         m["mfu"] = 6 * n_params * (t["prompt_tokens"] + t["length"]) / env.world / train_time / peak
-    if env.device.type == "cuda":  # the trainer's peak; trainer + engine, as the driver sees them
-        m["memory/peak_allocated_gib"] = memory.get("peak_allocated", 0.0)
-        m["memory/device_used_gib"] = memory.get("device_used", 0.0)
+    m.update({f"memory/{k}_gib": v for k, v in memory.items()})  # CUDA's, from sample_memory
     return m
 
 
@@ -2012,9 +1983,8 @@ def log_completions(cfg, step, batch, reward_funcs, tokenizer):
 # ---- G. The CLI and main ----
 
 def check_inputs(argv=None):
-    """Every input (flags, model config, data, checkpoint, memory plan) checked before any process
-    group, weights or engine; returns (cfg, env, inputs, error). A lone process ends here on a bad
-    input (run.sh calls this first); torchrun's ranks end together, whatever failed."""
+    """Every input (flags, model, data, checkpoint, memory plan) checked before any engine: (cfg,
+    env, inputs, error). A lone process exits here on a bad one; torchrun's ranks stop together."""
     cfg = None
     try:
         cfg = parse_args(argv)
@@ -2026,15 +1996,19 @@ def check_inputs(argv=None):
         model_config = load_model_config(cfg)
         check_model(cfg, model_config)
         data = prepare_data(cfg)
+        rows = rows_digest(data[1])  # the training rows, which a data position counts in
         state = None
-        if cfg.resume_from_checkpoint:  # the training rows that its data position counts in
+        if cfg.resume_from_checkpoint:
             state = read_checkpoint_state(cfg.resume_from_checkpoint)
-            need(state.get("rows", rows_digest(data[1])) == rows_digest(data[1]), "dataset",
-                 f"the training rows ({rows_digest(data[1])}) are not the checkpoint's "
-                 f"({state['rows']}): the data or the model's chat template changed; resume with those")
+            need(state.get("rows", rows) == rows, "dataset", f"the training rows ({rows}) are not "
+                 f"the checkpoint's ({state['rows']}): resume with its data and chat template")
         num_params = sum(p.numel() for p in meta_model(cfg, model_config).parameters())
         plan = memory_plan(cfg, env, model_config, num_params)
-        return cfg, env, SimpleNamespace(model_config=model_config, data=data, state=state, plan=plan), None
+        resumed = state or {}  # for the facts every rank must have decided alike (agree_at_start)
+        facts = {"vllm_enable_sleep_mode": plan.sleep, "dataset": rows, "resume_from_checkpoint":
+                 (cfg.resume_from_checkpoint, resumed.get("step"), resumed.get("data_position"))}
+        inputs = SimpleNamespace(model_config=model_config, data=data, state=state, plan=plan, facts=facts)
+        return cfg, env, inputs, None
     except Exception as e:  # noqa: BLE001 - under torchrun, routed to every rank (agree_at_start)
         config_error = isinstance(e, ConfigError)
         if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks
@@ -2049,15 +2023,9 @@ def check_inputs(argv=None):
 
 def main(argv=None):
     cfg, env, inputs, error = check_inputs(argv)
-    facts = {}  # what every rank must have decided alike (agree_at_start)
-    if inputs:
-        state = inputs.state or {}
-        facts = {"vllm_enable_sleep_mode": inputs.plan.sleep, "dataset": rows_digest(inputs.data[1]),
-                 "resume_from_checkpoint": (cfg.resume_from_checkpoint, state.get("step"),
-                                            state.get("data_position"))}
-    setup_distributed(cfg, env, error, facts)  # a bad input on any rank stops every rank here
+    setup_distributed(cfg, env, error, inputs and inputs.facts)  # any rank's bad input stops all
     try:
-        llm = run(cfg, env, inputs)
+        run(cfg, env, inputs)
     # any failure: report it and leave NOW, so that torchrun ends the ranks waiting in a collective
     except BaseException as e:  # noqa: BLE001
         if not isinstance(e, ConfigError):
@@ -2066,8 +2034,7 @@ def main(argv=None):
             print(f"error: {e} (rank {env.rank})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2 if isinstance(e, ConfigError) else 1)
-    # teardown: the engine first (it holds process groups of its own), then ours
-    del llm
+    # teardown: the engine went with run's return (it holds process groups of its own), then ours
     dist.barrier()
     dist.destroy_process_group()
     print0("done")
