@@ -1197,19 +1197,19 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
 
 
 def agree_at_start(cfg: Config, env, error, facts: dict):
-    """Every rank stops alike, before any engine starts, on one rank's bad input, on facts {flag:
-    value} decided apart, or on an --output_dir not shared (each rank writes checkpoint shards)."""
-    marker = [os.path.join(cfg.output_dir, f".shared-{os.urandom(8).hex()}")]
+    """All ranks stop on one rank's bad input, facts decided apart, or an unshared --output_dir."""
+    marker = [""]  # a file rank 0 makes in --output_dir: each rank's own --output_dir must show it
     if env.rank == 0 and not error:
-        open(marker[0], "w").close()
-    dist.broadcast_object_list(marker)  # rank 0's name, sent once its file exists
-    if not error and not os.path.exists(marker[0]):  # if rank 0 failed, its error is the one said
+        marker = [f".shared-{os.urandom(8).hex()}"]
+        open(os.path.join(cfg.output_dir, marker[0]), "w").close()
+    dist.broadcast_object_list(marker)  # its name, sent once the file exists
+    if marker[0] and not error and not os.path.exists(os.path.join(cfg.output_dir, marker[0])):
         error = ConfigError(f"--output_dir: {cfg.output_dir!r} is not rank 0's directory (a disk "
                             "of each node?); pass one that every node shares")
     everyone = [None] * env.world
     dist.all_gather_object(everyone, (error and f"{error} (rank {env.rank})", facts))
-    if env.rank == 0 and not error:
-        os.remove(marker[0])
+    if marker[0] and env.rank == 0:
+        os.remove(os.path.join(cfg.output_dir, marker[0]))
     failed = [e for e, _ in everyone if e]
     for flag in facts:
         values = [f.get(flag) for _, f in everyone]
@@ -1558,8 +1558,7 @@ def check_model(cfg: Config, model_config) -> None:
     need(splits, "vllm_tensor_parallel_size",
          f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads")
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
-        need(not getattr(model_config, capping, None), "model",
-             f"the trainer does not compute {capping}; use another model")
+        need(not getattr(model_config, capping, None), "model", f"the trainer ignores {capping}")
     context = getattr(model_config, "max_position_embeddings", None)
     need(not context or cfg.longest_sequence <= context, "max_prompt_length",
          f"+ --max_completion_length = {cfg.longest_sequence} > the model's context, {context}")
