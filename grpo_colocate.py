@@ -1121,9 +1121,8 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
 
 
 def agree_at_start(cfg: Config, env, error, facts: dict):
-    """Every rank stops alike, before any engine starts, on one rank's bad input, on facts {flag:
-    value} decided apart, or on an --output_dir not shared (each rank writes checkpoint shards)."""
-    marker = [""]
+    """All ranks stop on one rank's bad input, facts decided apart, or an unshared --output_dir."""
+    marker = [""]  # a file rank 0 makes in --output_dir: each rank's own --output_dir must show it
     if env.rank == 0 and not error:
         marker = [f".shared-{os.urandom(8).hex()}"]
         open(os.path.join(cfg.output_dir, marker[0]), "w").close()
@@ -1140,8 +1139,7 @@ def agree_at_start(cfg: Config, env, error, facts: dict):
         values = [f.get(flag) for _, f in everyone]
         if len(set(map(repr, values))) > 1:
             failed.append(f"--{flag}: the ranks decided apart ({values}); every node must read "
-                          "the same (checkpoint, data), and sleep mode cannot be auto on GPUs of "
-                          "unequal memory")
+                          "the same files, and sleep mode auto needs GPUs of equal memory")
     if failed:
         if env.rank == 0:
             print(f"error: {failed[0]}", file=sys.stderr, flush=True)
@@ -1322,9 +1320,8 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     # backward keeps its atomics in that mode (README: When something goes wrong)
     torch.use_deterministic_algorithms(cfg.full_determinism)
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
-    weights = cfg.model  # LoRA: the base; its adapter comes from the checkpoint (add_lora)
-    if state and not cfg.use_peft:
-        weights = cfg.resume_from_checkpoint
+    # LoRA: the base; its adapter comes from the checkpoint (add_lora)
+    weights = cfg.resume_from_checkpoint if state and not cfg.use_peft else cfg.model
     lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
     # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md sec. 9)
     if cfg.use_peft:
@@ -1378,12 +1375,9 @@ def parse_args(argv=None) -> Config:
         flags, _, why = message.removeprefix("argument ").partition(": ")  # --a_b/--a-b: why
         raise ConfigError(f"{flags.split('/')[0]}: {why}")
     parser.error = refuse
-    try:
-        (cfg,) = parser.parse_args_into_dataclasses(argv)
-    except ConfigError:  # refuse's (a ValueError too): already named
-        raise
-    except ValueError as e:  # flags it does not know
-        raise ConfigError(f"{e}; python grpo_colocate.py --help lists the flags") from None
+    cfg, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    if unknown:
+        raise ConfigError(f"{' '.join(unknown)}: no such flag; --help lists them")
     if cfg.resume_from_checkpoint == "latest":
         cfg.resume_from_checkpoint = latest_checkpoint(cfg.output_dir)
     check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")),
@@ -1399,8 +1393,7 @@ def point_latest(output_dir: str, checkpoint: str):
 
 
 def latest_checkpoint(output_dir: str) -> str:
-    """The checkpoint this run saved last, named by <output_dir>/latest (not the highest step:
-    after a resume from an older one, the newer ones are an abandoned branch)."""
+    """The checkpoint <output_dir>/latest names (not the newest: maybe an abandoned branch)."""
     pointer = os.path.join(output_dir, "latest")
     need(os.path.isfile(pointer), "resume_from_checkpoint", f"latest: none in {output_dir!r}")
     return os.path.join(output_dir, open(pointer).read().strip())
@@ -1411,6 +1404,8 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     tp = cfg.vllm_tensor_parallel_size
     budget = cfg.max_tokens_per_microbatch
     cuda = torch.cuda.is_available()
+    path = os.path.expanduser(cfg.dataset)
+    data_file = path.endswith((".json", ".jsonl", ".parquet", ".csv"))
     at_least_1 = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
                   "max_completion_length", "num_iterations", "num_eval", "logging_steps",
                   "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
@@ -1423,8 +1418,8 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     rules += [(flag, getattr(cfg, flag) >= 0, "use >= 0") for flag in at_least_0]
     rules += [(flag, getattr(cfg, flag) > 0, "use > 0") for flag in positive]
     rules += [
-        ("vllm_tensor_parallel_size", tp >= 1 and world % tp == 0, f"divide the world, {world}"),
-        ("vllm_tensor_parallel_size", local_world % tp == 0, "a TP group may not span nodes"),
+        ("vllm_tensor_parallel_size", tp >= 1 and world % tp == local_world % tp == 0,
+         f"a TP group may not span nodes: use a divisor of {local_world}, the GPUs of a node"),
         ("num_generations", cfg.num_generations >= 2, "a group needs 2 completions at least"),
         ("per_device_train_batch_size", cfg.completions_per_rank % cfg.num_generations == 0,
          "x gradient_accumulation_steps: a multiple of num_generations (whole groups)"),
@@ -1440,7 +1435,6 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
         ("top_entropy_quantile", 0 <= cfg.top_entropy_quantile <= 1, "use a value in [0, 1]"),
         ("entropy_coef", math.isfinite(cfg.entropy_coef), "use a finite value"),
         ("dynamic_sampling_factor", 1 <= cfg.dynamic_sampling_factor < math.inf, "use >= 1"),
-        ("reward_funcs", cfg.reward_funcs, "name at least one reward function"),
         ("reward_weights", len(cfg.reward_weights) in (0, len(cfg.reward_funcs)),
          "give one weight per reward function"),
         ("dynamic_sampling_reward", cfg.dynamic_sampling_reward in ("", *cfg.reward_funcs),
@@ -1448,19 +1442,16 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
         ("top_p", 0 < cfg.top_p <= 1, "use a value in (0, 1]"),
         ("mask_truncated_completions", not (cfg.ignore_eos and cfg.mask_truncated_completions),
          "--ignore_eos truncates every completion: all would be masked"),
-        ("vllm_gpu_memory_utilization", 0 < cfg.vllm_gpu_memory_utilization <= 1,
-         "use a fraction in (0, 1]"),
-        ("vllm_enable_sleep_mode", cfg.vllm_enable_sleep_mode != "true" or cuda,
-         "sleep mode needs CUDA; use auto or false"),
-        ("fsdp_cpu_offload", not cfg.fsdp_cpu_offload or cfg.fsdp and cuda,
-         "it offloads FSDP2's shards from a GPU: add --fsdp, on a GPU"),
+        ("vllm_gpu_memory_utilization", 0 < cfg.vllm_gpu_memory_utilization <= 1, "use (0, 1]"),
+        ("vllm_enable_sleep_mode", cfg.vllm_enable_sleep_mode != "true" or cuda, "needs CUDA"),
+        ("fsdp_cpu_offload", not cfg.fsdp_cpu_offload or cfg.fsdp and cuda, "needs --fsdp on CUDA"),
         ("use_peft", not cfg.use_peft or importlib.util.find_spec("peft"), "pip install peft"),
         ("lora_dropout", 0 <= cfg.lora_dropout < 1, "use a value in [0, 1)"),
         ("report_to", cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to),
          "it is not installed: pip install it, or use none"),
         ("save_steps", cfg.save_steps >= -1, "use >= -1 (0: only at the end; -1: never)"),
-        ("dataset", not cfg.dataset.endswith((".json", ".jsonl", ".parquet", ".csv"))
-         or os.path.isfile(os.path.expanduser(cfg.dataset)), "no such file"),
+        ("dataset", os.path.exists(path) == data_file or cfg.dataset == "arithmetic",
+         "a data file must exist and be .json, .jsonl, .parquet or .csv"),
     ]
     for flag, ok, fix in rules:
         need(ok, flag, f"is {getattr(cfg, flag)!r}; {fix}")
@@ -1468,14 +1459,11 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     load_tools(cfg)
     if cfg.resume_from_checkpoint:  # read here: a crafted checkpoint is refused before any engine
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
-        adapter = os.path.isdir(os.path.join(cfg.resume_from_checkpoint, "adapter"))
-        need(cfg.use_peft == adapter, "use_peft", "pass it as the checkpoint's run did: its "
-             f"LoRA adapter/ is {'there' if adapter else 'missing'}")
-        # the flags that define the train order that the data position counts in
-        for flag in ("model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
-                     "prompt_column", "answer_column", "max_prompt_length", "tools"):
+        # what it holds (LoRA: an adapter), and the train order that its data position counts in
+        for flag in ("use_peft", "model", "seed", "dataset", "dataset_split", "eval_split",
+                     "num_eval", "prompt_column", "answer_column", "max_prompt_length", "tools"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
-                 f"checkpoint's run had {saved.get(flag)!r}: pass that (the same data)")
+                 f"checkpoint's run had {saved.get(flag)!r}: pass that")
     try:  # on every rank: each writes its own checkpoint shards there
         os.makedirs(cfg.output_dir, exist_ok=True)
         probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
@@ -1494,14 +1482,12 @@ def check_model(cfg: Config, model_config) -> None:
     need(splits, "vllm_tensor_parallel_size",
          f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads")
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
-        need(not getattr(model_config, capping, None), "model",
-             f"the trainer does not compute {capping}; use another model")
+        need(not getattr(model_config, capping, None), "model", f"the trainer ignores {capping}")
     context = getattr(model_config, "max_position_embeddings", None)
     need(not context or cfg.longest_sequence <= context, "max_prompt_length",
          f"+ --max_completion_length = {cfg.longest_sequence} > the model's context, {context}")
     safe = not os.path.isdir(cfg.model) or any(f.endswith(".safetensors") for f in os.listdir(cfg.model))
-    need(safe, "model", f"{cfg.model} has no .safetensors weights; pickled ones (.bin, .pt) can "
-         "run code when loaded and are refused: convert them to safetensors")
+    need(safe, "model", f"no .safetensors in {cfg.model}: convert (pickled weights run code)")
     lm = meta_model(cfg, model_config)
     head = lm.get_output_embeddings()
     # what the trainer's logprobs leave out: refused rather than trained wrong (the probe would stop)
@@ -1514,8 +1500,7 @@ def check_model(cfg: Config, model_config) -> None:
     for name, module in lm.named_modules() if cfg.use_peft else ():
         targeted = any(name == t or name.endswith("." + t) for t in cfg.lora_target_modules)
         need(not targeted or not isinstance(module, nn.Embedding) and module is not head,
-             "lora_target_modules", f"{name}: the push merges and the forward reads the "
-             "adapters of the decoder's Linears only")
+             "lora_target_modules", f"{name}: the push merges the decoder's Linear adapters only")
 
 
 def meta_model(cfg: Config, model_config) -> nn.Module:
@@ -1544,11 +1529,10 @@ def load_functions(names: list[str], builtins: dict, flag: str) -> list:
         module, _, fn = name.rpartition(":")
         try:
             funcs.append(getattr(importlib.import_module(module), fn) if module else builtins[fn])
-            if not callable(funcs[-1]):
-                raise AttributeError(f"{fn} is not a function")
         except (ImportError, AttributeError, KeyError) as e:
             need(False, flag, f"cannot load {name!r} ({type(e).__name__}: {e}); use one of "
                  f"{', '.join(builtins)}, or module:function on PYTHONPATH")
+        need(callable(funcs[-1]), flag, f"{name} is not a function")
     return funcs
 
 
@@ -1582,10 +1566,9 @@ def load_rows(cfg: Config):
         return arithmetic_task(cfg.seed, cfg.num_eval)
     from datasets import load_dataset  # datasets >= 4 runs no loading scripts: data is never code
     path = os.path.expanduser(cfg.dataset)
-    builder = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv"}
+    kind = path.rsplit(".", 1)[-1]  # a file's: json, jsonl, parquet or csv (check_config)
     if os.path.exists(path):
-        need(path.rsplit(".", 1)[-1] in builder, "dataset", "use a .json/.jsonl/.parquet/.csv file")
-        load = functools.partial(load_dataset, builder[path.rsplit(".", 1)[-1]], data_files=path)
+        load = functools.partial(load_dataset, "json" if kind == "jsonl" else kind, data_files=path)
     else:
         name, _, config = cfg.dataset.partition(":")
         load = functools.partial(load_dataset, name, config or None)
@@ -1637,7 +1620,6 @@ def prepare_data(cfg: Config):
     from transformers import AutoTokenizer
     from transformers.utils import get_json_schema
     tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-    need(not cfg.tools or tokenizer.chat_template, "tools", "the model has no chat template")
     try:  # what the model is shown: each tool's type hints and docstring
         tools = [get_json_schema(fn) for fn in load_tools(cfg).values()]
     except Exception as e:  # transformers' own kinds: a missing type hint, no Args section...
@@ -1663,9 +1645,8 @@ def prepare_data(cfg: Config):
 # ---- D. Checkpoints: written atomically, read without running code, resumed on any world size ----
 
 def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, train_rows) -> str:
-    """checkpoint-<step>/, written as a .tmp dir and renamed last: the HF weights (fp32; LoRA:
-    merged, in the final checkpoint only, and adapter/), the tokenizer, grpo_config.json, AdamW
-    (optimizer/: DCP, a shard per rank), trainer_state.pt (the step and the data position)."""
+    """checkpoint-<step>/, a .tmp dir renamed last: HF weights (fp32; LoRA: merged in the last
+    one, and adapter/), tokenizer, grpo_config.json, optimizer/ (DCP), trainer_state.pt."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
