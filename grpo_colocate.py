@@ -33,9 +33,7 @@ import logging
 import math
 import os
 import pickle
-import random
 import shutil
-import socket
 import sys
 import time
 import traceback
@@ -74,7 +72,6 @@ DEFAULT_MODEL = os.path.join(CACHE, "grpo_colocate", "SmolLM2-135M-Instruct")  #
 
 
 # ===== Config: one flat dataclass, TRL's GRPOConfig names; every field a --flag ===================
-
 def arg(default, help: str):
     """A dataclass field with its --help text; a list default gets a fresh copy per instance."""
     if isinstance(default, list):
@@ -152,8 +149,7 @@ class Config:
     save_steps: int = arg(0, "checkpoint every this many steps (0: at the end; -1: never)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
     ddp_timeout: int = arg(1800, "seconds a collective waits before the run fails")
-    report_to: Literal["none", "tensorboard", "wandb"] = arg("none", "also log the metrics there")
-    log_completions: bool = arg(False, "sample completions to completions.jsonl and the tracker")
+    log_completions: bool = arg(False, "sample completions to completions.jsonl (README)")
     num_completions_to_print: int = arg(4, "entries per logged step (rank 0's first; 0: all)")
     resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir, or 'latest' in output_dir")
     verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and progress bars")
@@ -169,7 +165,6 @@ class Config:
 
 
 # ===== 1. The prompts of a step: one shuffled stream of data positions, each rank its slice =======
-
 def derive_seed(*parts) -> int:
     """A 31-bit seed from a tuple of parts (run seed, purpose, position...), on every machine."""
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
@@ -192,7 +187,6 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
 
 
 # ===== 2. Rollout: G completions per prompt from this rank's engine, tool turns included ==========
-
 def sampling_params(cfg: Config, greedy=False, logprobs=False):
     from vllm import SamplingParams
     if greedy:  # the eval
@@ -306,7 +300,6 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
 
 
 # ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
-
 def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length) -> torch.Tensor:
     """Rewards [N, R] of every function on every completion, decoded here; None (unscored): NaN."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -401,7 +394,6 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
 
 
 # ===== 4. Per-token logprobs and the loss: the math that papers change ============================
-
 def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
     """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py)."""
     sorted_logits, order = logits.sort(dim=-1)  # [n, V] ascending
@@ -648,7 +640,6 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
 
 
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
-
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
     """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches."""
     cuts = []
@@ -675,8 +666,7 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, device="cpu"):
-    """Sequences (prompt + completion) in ONE row, no padding: positions restart at 0 in each
-    (RoPE), cu_seqlens marks the starts. Returns Policy's first five inputs, on device."""
+    """Policy's packed inputs: the sequences in ONE row, no padding, positions from 0 in each."""
     ids = []
     positions = []
     starts = []
@@ -802,7 +792,6 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
 
 
 # ===== 6. The push: the trained weights into the engine, checked against the trainer ==============
-
 def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     """A parameter whole: an FSDP2 shard is cast, then all-gathered (bf16: half the bytes)."""
     p = p.detach()
@@ -921,9 +910,7 @@ class ColocatedEngine:
 
 
 # ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
-
 def run(cfg: Config, env, inputs):
-    from tqdm import tqdm
     tokenizer, train_rows, eval_rows = inputs.data
     plan = inputs.plan  # the token budget, checkpointing and sleep mode: the memory plan's
     state = inputs.state  # the checkpoint's trainer_state, or None
@@ -943,16 +930,13 @@ def run(cfg: Config, env, inputs):
     engine.sleep({})
     trainer = build_trainer(cfg, env, plan, state)
     print_setup(cfg, env, plan, trainer.lm, inputs, start_step, prompts_drawn)
-    log = make_logger(cfg, env)
     setup_time = {}
     engine.wake_and_push(trainer.policy, start_step, setup_time)  # checked on the probe
     print0(f"engine ready: first push and parity check took {sum(setup_time.values()):.2f}s, "
            f"gap {engine.info['parity_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
-        log.write({"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)})
+        log_metrics(cfg, env, {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)})
 
-    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="grpo",
-               disable=not (env.is_main and sys.stderr.isatty()))
     batch = None  # the current generation batch, trained on num_iterations times
     steps_on_batch = 0
     skipped_in_a_row = 0
@@ -990,7 +974,6 @@ def run(cfg: Config, env, inputs):
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
                     with trainer.lm.disable_adapter() if cfg.use_peft else nullcontext():
                         batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env, plan.tokens)
-
         # ======== train: packed micro-batches, the loss, one AdamW step
         lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses
         train_stats = train_step(trainer.policy, trainer.optimizer, trainer.scheduler, batch, cfg,
@@ -1004,18 +987,15 @@ def run(cfg: Config, env, inputs):
         if skipped_in_a_row == 3:  # non-finite steps in a row end the run
             raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
                                "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
-
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
         if cfg.save_steps >= 0 and (is_last_step or cfg.save_steps and step % cfg.save_steps == 0):
             with timed(ledger, "save", env):
                 path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position, train_rows)
             print0(f"saved {path}")
-
         # ======== push: the trained weights into the engine, which generates next
         if steps_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
-
-        # ======== log: stdout, metrics.jsonl and the tracker; the greedy eval
+        # ======== log: stdout and metrics.jsonl; the greedy eval
         cuda_sync(env)  # what no phase timed (batching, advantages...): the ledger sums to the step
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         record = {"step": step}
@@ -1024,7 +1004,7 @@ def run(cfg: Config, env, inputs):
             record.update(reduce_metrics(cfg, env, batch, train_stats, ledger, memory,
                                          trainer.flop_params, engine.info, reward_funcs))
             if env.is_main:
-                bar.write(log_line(step, cfg.max_steps, record))
+                print(log_line(step, cfg.max_steps, record), flush=True)
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
             with timed(record, "time/eval", env):  # a push and a sleep mid-cycle count in it
                 mid_cycle = steps_on_batch < cfg.num_iterations  # the engine's weights are older
@@ -1034,15 +1014,9 @@ def run(cfg: Config, env, inputs):
                 if mid_cycle:  # the trainer goes on with this batch
                     engine.sleep({})
         if len(record) > 1:
-            log.write(record)
+            log_metrics(cfg, env, record)
             if cfg.log_completions and env.is_main:
                 log_completions(cfg, step, batch, reward_funcs, tokenizer)
-        bar.update(1)
-    bar.close()
-    try:  # the tracker's close (a network, a disk) cannot fail a finished, saved run
-        log.close()
-    except Exception as e:  # noqa: BLE001
-        print(f"the tracker did not close: {e!r}", file=sys.stderr)
 
 
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> dict:
@@ -1070,15 +1044,12 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 # ##################################################################################################
 
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
-
 def setup_env(cfg: Config) -> SimpleNamespace:
     """This rank's place (torchrun's environment) and its platform's ways, decided once."""
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from torch.distributed.elastic.utils.distributed import get_free_port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
     rank = int(os.environ["RANK"])
     if cfg.full_determinism:  # cuBLAS's deterministic workspace, set before its first call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -1111,8 +1082,9 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world))
     # any collective, barriers included, waits this long (e.g. the other ranks while rank 0 saves)
     timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
-                            device_id=env.device if cuda else None)
+    # CPU offload: FSDP2's gradient norm is a sum over CPU shards, which NCCL cannot reduce
+    backend = "cpu:gloo,cuda:nccl" if cfg.fsdp_cpu_offload else "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, timeout=timeout, device_id=env.device if cuda else None)
     if env.world > 1:
         agree_at_start(cfg, env, error, facts or {})
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours are the same groups
@@ -1356,7 +1328,6 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
 
 
 # ---- B. Input checks: one message naming the flag and the fix, before any engine starts ----
-
 class ConfigError(ValueError):
     """Bad input: the message names the flag and the fix."""
 
@@ -1370,7 +1341,6 @@ def parse_args(argv=None) -> Config:
     """Config from the --flags (HfArgumentParser), then check_config; a bad one: ConfigError."""
     from transformers import HfArgumentParser
     parser = HfArgumentParser(Config, prog="grpo_colocate.py", description=__doc__.split("\n")[0])
-
     def refuse(message):  # argparse would print and exit; a ConfigError, as every bad input
         flags, _, why = message.removeprefix("argument ").partition(": ")  # --a_b/--a-b: why
         raise ConfigError(f"{flags.split('/')[0]}: {why}")
@@ -1410,7 +1380,6 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
                   "max_completion_length", "num_iterations", "num_eval", "logging_steps",
                   "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
                   "lora_r", "ddp_timeout"]
-    # 0 is allowed: each flag's help says what it means (no warmup, no clipping, off, all, never)
     at_least_0 = ["warmup_steps", "weight_decay", "max_grad_norm", "top_k", "eval_steps",
                   "max_tool_calling_iterations", "num_completions_to_print"]
     positive = ["temperature", "sapo_temperature_pos", "sapo_temperature_neg", "lora_alpha"]
@@ -1447,8 +1416,6 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
         ("fsdp_cpu_offload", not cfg.fsdp_cpu_offload or cfg.fsdp and cuda, "needs --fsdp on CUDA"),
         ("use_peft", not cfg.use_peft or importlib.util.find_spec("peft"), "pip install peft"),
         ("lora_dropout", 0 <= cfg.lora_dropout < 1, "use a value in [0, 1)"),
-        ("report_to", cfg.report_to == "none" or importlib.util.find_spec(cfg.report_to),
-         "it is not installed: pip install it, or use none"),
         ("save_steps", cfg.save_steps >= -1, "use >= -1 (0: only at the end; -1: never)"),
         ("dataset", os.path.exists(path) == data_file or cfg.dataset == "arithmetic",
          "a data file must exist and be .json, .jsonl, .parquet or .csv"),
@@ -1473,8 +1440,9 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
         need(False, "output_dir", f"cannot write to {cfg.output_dir!r} ({e.strerror})")
 
 
-def check_model(cfg: Config, model_config) -> None:
-    """The checks that need the model's config, read before any process group or engine."""
+def check_model(cfg: Config, model_config) -> int:
+    """The checks that need the model's config, before any engine; returns its parameter count."""
+    from transformers import AutoModelForCausalLM
     tp = cfg.vllm_tensor_parallel_size
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
@@ -1488,7 +1456,8 @@ def check_model(cfg: Config, model_config) -> None:
          f"+ --max_completion_length = {cfg.longest_sequence} > the model's context, {context}")
     safe = not os.path.isdir(cfg.model) or any(f.endswith(".safetensors") for f in os.listdir(cfg.model))
     need(safe, "model", f"no .safetensors in {cfg.model}: convert (pickled weights run code)")
-    lm = meta_model(cfg, model_config)
+    with torch.device("meta"):  # the policy's modules, names and sizes: no weights read
+        lm = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     head = lm.get_output_embeddings()
     # what the trainer's logprobs leave out: refused rather than trained wrong (the probe would stop)
     need(getattr(head, "bias", None) is None, "model", "its lm_head has a bias (Phi-2, GPT-J)")
@@ -1501,14 +1470,7 @@ def check_model(cfg: Config, model_config) -> None:
         targeted = any(name == t or name.endswith("." + t) for t in cfg.lora_target_modules)
         need(not targeted or not isinstance(module, nn.Embedding) and module is not head,
              "lora_target_modules", f"{name}: the push merges the decoder's Linear adapters only")
-
-
-def meta_model(cfg: Config, model_config) -> nn.Module:
-    """The policy's modules on the meta device: names and sizes, no weights read."""
-    from transformers import AutoModelForCausalLM
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(model_config,
-                                                trust_remote_code=cfg.trust_remote_code)
+    return sum(p.numel() for p in lm.parameters())
 
 
 def load_model_config(cfg: Config):
@@ -1547,23 +1509,10 @@ def load_tools(cfg: Config) -> dict:
 
 
 # ---- C. Data: the built-in task or a `datasets` source, tokenised once with the chat template ----
-
-def arithmetic_task(seed: int, num_eval: int):
-    """'What is 37 + 58?' -> '95'. Eval: text hashes 0 mod 10, so no seed mixes the splits."""
-    problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
-    random.Random(seed).shuffle(problems)
-    splits = {"train": [], "eval": []}
-    for a, op, b in problems:
-        split = "eval" if hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0 else "train"
-        question = f"What is {a} {op} {b}? Give the final answer as '#### <number>'."
-        splits[split].append({"prompt": question, "answer": str(a + b if op == "+" else a - b)})
-    return splits["train"], splits["eval"][:num_eval]
-
-
 def load_rows(cfg: Config):
     """(train, eval) lists of dict rows: 'prompt', 'answer' and the dataset's other columns."""
     if cfg.dataset == "arithmetic":
-        return arithmetic_task(cfg.seed, cfg.num_eval)
+        return reward_fns.arithmetic_task(cfg.seed, cfg.num_eval)
     from datasets import load_dataset  # datasets >= 4 runs no loading scripts: data is never code
     path = os.path.expanduser(cfg.dataset)
     kind = path.rsplit(".", 1)[-1]  # a file's: json, jsonl, parquet or csv (check_config)
@@ -1572,7 +1521,6 @@ def load_rows(cfg: Config):
     else:
         name, _, config = cfg.dataset.partition(":")
         load = functools.partial(load_dataset, name, config or None)
-
     def load_split(split, flag):
         try:
             rows = load(split=split)
@@ -1594,7 +1542,6 @@ def load_rows(cfg: Config):
     for flag in ("prompt_column", "answer_column"):
         column = getattr(cfg, flag)
         need(column in train.column_names, flag, f"no column {column!r} in {train.column_names}")
-
     def rename(row):  # the prompt and answer columns under the names reward functions expect
         other = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
         return {**other, "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]}
@@ -1643,7 +1590,6 @@ def prepare_data(cfg: Config):
 
 
 # ---- D. Checkpoints: written atomically, read without running code, resumed on any world size ----
-
 def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, train_rows) -> str:
     """checkpoint-<step>/, a .tmp dir renamed last: HF weights (fp32; LoRA: merged in the last
     one, and adapter/), tokenizer, grpo_config.json, optimizer/ (DCP), trainer_state.pt."""
@@ -1729,7 +1675,6 @@ def load_optimizer(path: str, policy, optimizer):
 
 
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
-
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
     """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
     peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
@@ -1757,7 +1702,6 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     checkpointing = cfg.gradient_checkpointing == "true"
     checkpointing |= cfg.gradient_checkpointing == "auto" and room < floor * plain
     per_token = checkpointed if checkpointing else plain
-
     def budget(room):  # a micro-batch's tokens in `room` bytes (yours, if you set one)
         return cfg.max_tokens_per_microbatch or int(room // per_token)
     sleep = can_sleep
@@ -1779,8 +1723,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     return SimpleNamespace(tokens=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
-# ---- F. Metrics: the global means, the stdout line, metrics.jsonl and the tracker, samples ----
-
+# ---- F. Metrics: the global means, the stdout line, metrics.jsonl, samples ----
 # dense bf16 FLOP/s by GPU name; the first match wins
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
                    "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -1924,29 +1867,13 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
            f"{len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
 
-def make_logger(cfg, env) -> SimpleNamespace:
-    """write(record): metrics.jsonl (non-finite: null) and the --report_to tracker; close()."""
-    log = lambda record: None  # noqa: E731
-    close = lambda: None  # noqa: E731
-    if env.is_main and cfg.report_to == "tensorboard":
-        from torch.utils.tensorboard import SummaryWriter
-        tb = SummaryWriter(os.path.join(cfg.output_dir, "tensorboard"))
-        log = lambda record: [tb.add_scalar(k, v, record["step"]) for k, v in record.items()]  # noqa
-        close = tb.close
-    if env.is_main and cfg.report_to == "wandb":
-        import wandb
-        run = wandb.init(project="grpo-colocate", dir=cfg.output_dir, config=asdict(cfg))
-        log = lambda record: run.log(record, step=record["step"])  # noqa: E731
-        close = run.finish
-
-    def write(record):
-        if env.is_main:
-            finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
-                      for k, v in record.items()}
-            with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") as f:
-                f.write(json.dumps(finite, allow_nan=False) + "\n")
-            log(record)
-    return SimpleNamespace(write=write, close=close)
+def log_metrics(cfg, env, record: dict):
+    """Rank 0 appends record to metrics.jsonl, strict JSON: a non-finite value is null."""
+    if env.is_main:
+        finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+                  for k, v in record.items()}
+        with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(finite, allow_nan=False) + "\n")
 
 
 def log_completions(cfg, step, batch, reward_funcs, tokenizer):
@@ -1962,7 +1889,6 @@ def log_completions(cfg, step, batch, reward_funcs, tokenizer):
 
 
 # ---- G. The CLI and main ----
-
 def check_inputs(argv=None):
     """Every input (flags, model, data, checkpoint, memory plan) checked before any engine: (cfg,
     env, inputs, error). A lone process exits here on a bad one; torchrun's ranks stop together."""
@@ -1975,7 +1901,7 @@ def check_inputs(argv=None):
             os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
         env = setup_env(cfg)
         model_config = load_model_config(cfg)
-        check_model(cfg, model_config)
+        num_params = check_model(cfg, model_config)
         data = prepare_data(cfg)
         rows = rows_digest(data[1])  # the training rows, which a data position counts in
         state = None
@@ -1983,7 +1909,6 @@ def check_inputs(argv=None):
             state = read_checkpoint_state(cfg.resume_from_checkpoint)
             need(state.get("rows", rows) == rows, "dataset", f"the training rows ({rows}) are not "
                  f"the checkpoint's ({state['rows']}): resume with its data and chat template")
-        num_params = sum(p.numel() for p in meta_model(cfg, model_config).parameters())
         plan = memory_plan(cfg, env, model_config, num_params)
         resumed = state or {}  # for the facts every rank must have decided alike (agree_at_start)
         facts = {"vllm_enable_sleep_mode": plan.sleep, "dataset": rows, "resume_from_checkpoint":

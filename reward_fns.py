@@ -1,4 +1,4 @@
-"""Reward functions for grpo_colocate.py.
+"""Reward functions for grpo_colocate.py, the built-in arithmetic task, and the tools.
 
 A reward function follows TRL's convention:
 
@@ -21,8 +21,10 @@ schema that the model sees).
 
 import ast
 import functools
+import hashlib
 import json
 import operator
+import random
 import re
 import threading
 import warnings
@@ -119,6 +121,19 @@ def soft_overlong_punishment(prompts, completions, completion_ids, max_completio
 
 
 REWARD_FUNCS = {f.__name__: f for f in (accuracy_reward, format_reward, reward_len, soft_overlong_punishment)}
+
+
+# The built-in task (--dataset arithmetic, the default), which accuracy_reward grades
+def arithmetic_task(seed: int, num_eval: int):
+    """'What is 37 + 58?' -> '95'. Eval: text hashes 0 mod 10, so no seed mixes the splits."""
+    problems = [(a, op, b) for a in range(100) for b in range(100) for op in "+-"]
+    random.Random(seed).shuffle(problems)
+    splits = {"train": [], "eval": []}
+    for a, op, b in problems:
+        split = "eval" if hashlib.sha256(f"{a}{op}{b}".encode()).digest()[0] % 10 == 0 else "train"
+        question = f"What is {a} {op} {b}? Give the final answer as '#### <number>'."
+        splits[split].append({"prompt": question, "answer": str(a + b if op == "+" else a - b)})
+    return splits["train"], splits["eval"][:num_eval]
 
 
 # --tools: the model calls these with JSON arguments; what a tool raises, it reads as an error.
