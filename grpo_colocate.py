@@ -102,7 +102,7 @@ class Config:
     weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms, as HF)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: none is loaded)")
-    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (only num_iterations > 1)")
+    epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (num_iterations > 1, LoRA dropout)")
     epsilon_high: float = arg(0.0, "upper clip: 1 + epsilon_high (0: epsilon); cispo: its cap (0: 5)")
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"] = arg("dapo", "see grpo_loss")
     sapo_temperature_pos: float = arg(1.0, "sapo: the gate's temperature where advantage > 0")
@@ -551,7 +551,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
               keep=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
     logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights w: [B, 1 or T]
-        r_t  = exp(logp_t - old_logp_t)           (== 1 with num_iterations 1: see train_step)
+        r_t  = exp(logp_t - old_logp_t)     (== 1 with num_iterations 1, no dropout: train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (sequence level): one
                ratio per sequence, clipped whole and broadcast to its tokens
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t
@@ -590,7 +590,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     normaliser = NORMALISERS[cfg.loss_type]
     sequences = logps.shape[0] if global_count is None else global_count
     total = per_token * mask  # [B, T]
-    if normaliser == "micro_batch" or global_count is None and normaliser == "tokens":
+    if normaliser == "micro_batch" or (global_count is None and normaliser == "tokens"):
         loss = total.sum() / mask.sum().clamp(min=1)
     elif normaliser == "tokens":
         loss = total.sum() / torch.as_tensor(global_count, dtype=logps.dtype).clamp(min=1)
@@ -1603,8 +1603,8 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, trai
     dist.barrier()
     lm = trainer.lm
     merged = not cfg.use_peft or step == cfg.max_steps
-    # every rank takes part in the gathers; rank 0 keeps the tensors, in CPU RAM
-    weights = {n: t.cpu() for n, t in full_weights(lm, torch.float32, env.device, 2**30) if merged}
+    weights = full_weights(lm, torch.float32, env.device, 2**30) if merged else ()
+    weights = {n: t.cpu() for n, t in weights if env.is_main}  # all gather; rank 0 keeps, in RAM
     adapter = {n: full_tensor(p, torch.float32, env.device).cpu()
                for n, p in lm.named_parameters() if ".lora_" in n}
     optimizer_state = {"optimizer": get_optimizer_state_dict(trainer.policy, trainer.optimizer)}
