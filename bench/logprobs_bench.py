@@ -7,17 +7,26 @@ the trainer runs it. Every variant computes logp[target] (and the logged entropy
 backward of sum(logp) into the hidden states and the weight. Prints one markdown table: median ms, peak GiB above
 the inputs, and the max |difference| of the logprobs and of both gradients against an fp32 reference (no autocast,
 no TF32, the whole [N, V] log_softmax at once). Keep the fastest variant whose differences match `current`'s.
-`current` is the trainer's: under autocast the lm_head matmul runs in bf16, its logits are copied to fp32 and the
-log-sum-exp and entropy run in fp32; in backward each chunk's logits are recomputed (checkpoint). torch.compile of
-the chunk can fuse the fp32 upcast into the reductions, so that no fp32 [N, V] copy is made.
-Section 0's driver: it imports the chunk of its day (`gc._logprobs_and_entropy`), which issue 24 replaced by
-`TokenLogprobs` (bench/precision_bench.py measures that one): run it beside `git show 5b8bd57:grpo_colocate.py`.
+
+`current` is the trainer's (issue 24 on): gc.TokenLogprobs, Policy's chunk size, the lm_head matmul in bf16 under
+autocast, the log-sum-exp, entropy and backward in the compiled kernels gc.COMPILED (logit_stats, logit_grads), each
+chunk's logits recomputed in backward by hand. Every other row runs the chunk of section 0 (BENCHMARKS.md), which
+issue 24 replaced: `pre24_logprobs_and_entropy` below, a copy of grpo_colocate's `_logprobs_and_entropy` of its day
+(the fp32 logits as an [N, V] copy, autograd through a checkpoint), kept in this driver as the old variant; its
+`pre-issue-24 chunk, ... recompute` row is section 0's `current`.
+
+Updated to the API of issue 33: gc._logprobs_and_entropy and gc.chunked_logprobs are gone; `current` calls
+gc.TokenLogprobs, the old chunk lives here. Verified on the CPU only (pyflakes, and each variant's forward and
+backward at a small size against the fp32 reference, eager; the two torch.compile rows not run); not run on a GPU
+after the update.
 """
 
 import argparse
+import math
 import os
 import statistics
 import sys
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +36,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import grpo_colocate as gc  # noqa: E402
 
 
+# ---- The old variant: the chunk before issue 24 (not in the trainer any more), kept here as it was ----
+def pre24_logprobs_and_entropy(hidden, weight, targets, temperature, top_k=0, top_p=1.0, entropy_grad=False):
+    """[OLD, pre-issue-24 grpo_colocate._logprobs_and_entropy] One chunk: log softmax(h W^T / temperature)[target]
+    and the (full distribution's) entropy. hidden: [N, H], targets: [N]. top_k / top_p: logp = logit_target -
+    logsumexp over the kept set + the target (finite in bf16)."""
+    logits = F.linear(hidden, weight).float() / temperature  # [N, V] in fp32
+    kept = logits
+    if top_k > 0 or top_p < 1:
+        mask = gc.top_k_top_p_mask(logits.detach(), top_k, top_p).scatter_(-1, targets.unsqueeze(-1), True)
+        kept = logits.masked_fill(~mask, -math.inf)  # [N, V]
+    logps = kept.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(kept, dim=-1)  # [N]
+    with nullcontext() if entropy_grad else torch.no_grad():  # a gradient only for --entropy_coef
+        # H = logz - sum_v p_v * logit_v
+        entropy = torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [N]
+    return logps, entropy
+
+
+def pre24_chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
+                           entropy_grad=False, chunk=pre24_logprobs_and_entropy):
+    """[OLD, pre-issue-24 grpo_colocate.chunked_logprobs] Per-token logprobs and entropies, chunk_size rows at a
+    time; under autograd each chunk is checkpointed (its logits recomputed in backward). chunk: the chunk function
+    (pre24_logprobs_and_entropy, or its torch.compile, which CUDA ran)."""
+    logps, entropies = [], []
+    for rows in (slice(start, start + chunk_size) for start in range(0, hidden.shape[0], chunk_size)):
+        args = (hidden[rows], weight, targets[rows], temperature, top_k, top_p, entropy_grad)
+        if torch.is_grad_enabled():
+            lp, ent = checkpoint(chunk, *args, use_reentrant=False)
+        else:
+            lp, ent = chunk(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    if not logps:
+        return hidden.new_zeros(0, dtype=torch.float32), hidden.new_zeros(0, dtype=torch.float32)
+    return torch.cat(logps), torch.cat(entropies)  # [N], [N]
+
+
 def chunked(fn, hidden, weight, targets, chunk, remat=True):
-    """gc.chunked_logprobs's loop with another chunk function, chunk size, or without the recompute."""
+    """[OLD] pre24_chunked_logprobs's loop (temperature 1) with another chunk function `fn`, chunk size, or each
+    chunk not checkpointed (remat False: its [n, V] logits kept for backward)."""
     out = []
     for s in range(0, hidden.shape[0], chunk):
         args = (hidden[s:s + chunk], weight, targets[s:s + chunk], 1.0)
@@ -37,15 +83,44 @@ def chunked(fn, hidden, weight, targets, chunk, remat=True):
 
 
 def no_entropy(hidden, weight, targets, temperature):
-    """The chunk without the entropy (only logged): what the extra softmax pass costs."""
+    """[OLD] The pre-issue-24 chunk without the entropy (only logged): what the extra softmax pass costs."""
     logits = F.linear(hidden, weight).float() / temperature
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, -1), logits.new_zeros(0)
 
 
 def bf16_logits(hidden, weight, targets, temperature):
-    """The logits left in bf16 (no fp32 [N, V] copy) and torch's logsumexp on them: what that costs in numerics."""
+    """[OLD] The logits left in bf16 (no fp32 [N, V] copy) and torch's logsumexp on them: what that costs in
+    numerics."""
     logits = F.linear(hidden, weight) / temperature  # bf16 under autocast
     return logits.gather(-1, targets[:, None])[:, 0].float() - torch.logsumexp(logits, -1).float(), logits.new_zeros(0)
+
+
+def make_variants(hidden, weight, targets, policy_chunk, compile_old=True):
+    """name -> a function computing (logps, entropies) [N] of the rows; the caller runs the backward."""
+    variants = {
+        f"current (gc.TokenLogprobs, {policy_chunk} rows, compiled kernels on CUDA)":
+            lambda: gc.TokenLogprobs.apply(hidden, weight, targets, 1.0, 0, 1.0, policy_chunk),
+        f"pre-issue-24 chunk, {policy_chunk} rows, recompute":
+            lambda: chunked(pre24_logprobs_and_entropy, hidden, weight, targets, policy_chunk),
+        f"pre-issue-24 chunk, no recompute, {policy_chunk} rows":
+            lambda: chunked(pre24_logprobs_and_entropy, hidden, weight, targets, policy_chunk, remat=False),
+        "pre-issue-24 chunk, 4096 rows, recompute":
+            lambda: chunked(pre24_logprobs_and_entropy, hidden, weight, targets, 4096),
+        "pre-issue-24 chunk, 8192 rows, recompute":
+            lambda: chunked(pre24_logprobs_and_entropy, hidden, weight, targets, 8192),
+        f"no entropy, {policy_chunk} rows": lambda: chunked(no_entropy, hidden, weight, targets, policy_chunk),
+        f"bf16 logits, bf16 logsumexp, no entropy, {policy_chunk} rows":
+            lambda: chunked(bf16_logits, hidden, weight, targets, policy_chunk),
+    }
+    if compile_old:
+        compiled = torch.compile(pre24_logprobs_and_entropy, dynamic=False)
+        variants.update({
+            f"torch.compile of the pre-issue-24 chunk, {policy_chunk} rows":
+                lambda: chunked(compiled, hidden, weight, targets, policy_chunk),
+            "torch.compile of the pre-issue-24 chunk, 4096 rows":
+                lambda: chunked(compiled, hidden, weight, targets, 4096),
+        })
+    return variants
 
 
 def main():
@@ -60,27 +135,14 @@ def main():
     weight = (torch.randn(a.vocab, a.hidden, device=dev, generator=g) * 0.02).requires_grad_(True)
     hidden = torch.randn(a.tokens, a.hidden, device=dev, generator=g).requires_grad_(True)
     targets = torch.randint(0, a.vocab, (a.tokens,), device=dev, generator=g)
-    policy_chunk = max(1, (1 << 30) // (4 * a.vocab))  # Policy's: 1 GiB of fp32 logits per chunk
+    policy_chunk = max(1, (1 << 30) // (4 * a.vocab))  # gc.Policy's chunk_size: 1 GiB of fp32 logits per chunk
 
     torch.backends.cuda.matmul.allow_tf32 = False
     ref_lp = torch.log_softmax(F.linear(hidden, weight), -1).gather(-1, targets[:, None])[:, 0]
     ref_gh, ref_gw = torch.autograd.grad(ref_lp.sum(), (hidden, weight))
     ref_lp = ref_lp.detach()
 
-    compiled = torch.compile(gc._logprobs_and_entropy, dynamic=False)
-    variants = {
-        f"current (gc.chunked_logprobs, {policy_chunk} rows, recompute)":
-            lambda: gc.chunked_logprobs(hidden, weight, targets, 1.0, policy_chunk),
-        f"no recompute, {policy_chunk} rows": lambda: chunked(gc._logprobs_and_entropy, hidden, weight, targets,
-                                                              policy_chunk, remat=False),
-        "4096 rows, recompute": lambda: chunked(gc._logprobs_and_entropy, hidden, weight, targets, 4096),
-        "8192 rows, recompute": lambda: chunked(gc._logprobs_and_entropy, hidden, weight, targets, 8192),
-        f"no entropy, {policy_chunk} rows": lambda: chunked(no_entropy, hidden, weight, targets, policy_chunk),
-        f"bf16 logits, bf16 logsumexp, no entropy, {policy_chunk} rows":
-            lambda: chunked(bf16_logits, hidden, weight, targets, policy_chunk),
-        f"torch.compile chunk, {policy_chunk} rows": lambda: chunked(compiled, hidden, weight, targets, policy_chunk),
-        "torch.compile chunk, 4096 rows": lambda: chunked(compiled, hidden, weight, targets, 4096),
-    }
+    variants = make_variants(hidden, weight, targets, policy_chunk)
     print(f"lm_head {a.vocab} x {a.hidden}, {a.tokens} tokens, fp32 weights, bf16 autocast, "
           f"{torch.cuda.get_device_name()}, torch {torch.__version__}\n")
     print("| variant | ms fwd+bwd | peak GiB | max abs dlogp | max abs dgrad hidden | max abs dgrad weight |")

@@ -1,25 +1,48 @@
 """precision_bench.py: the train phase alone (no engine), by precision path and logprob-chunk implementation.
 
-    python bench/precision_bench.py all [SHAPES...]        # every variant below, each in a fresh process
+    python bench/precision_bench.py all [SHAPES...]        # the variants of $VARIANTS, each in a fresh process
     python bench/precision_bench.py one SHAPE VARIANT [--profile FILE]
-    python bench/precision_bench.py check                  # the hand-written chunk vs autograd (gradients)
+    python bench/precision_bench.py check                  # today's hand-written chunk vs autograd (gradients)
 
 One rank's generation batch as train_step sees it: 32 prompts x G 8, prompts of 30-60 tokens, 256-token completions,
-random weights of the shape, grpo_colocate's defaults (dapo, IS correction, auto token budget). Prints one JSON line
-per run: seconds of step 1 (compiles included) and the median of steps 3-6 (train + optimizer), MFU (6 N per prompt +
-completion token), peak memory, and mean |logp - logp of `main`| on the batch before any update (precision drift).
+random weights of the shape, grpo_colocate's defaults (dapo, IS correction, the memory plan's token budget and
+checkpointing: train_bench.py's setup). Prints one JSON line per run: seconds of step 1 (compiles included) and the
+median of steps 3-6 (train + optimizer), MFU (6 N per prompt + completion token), peak memory, and mean |logp - logp
+of `main`| on the batch before any update (precision drift). The batch's vLLM logprobs are NaN, as train_bench.py's
+(IS weight 1 and canary gap 0, the same ops): the one batch is trained on at every step, with no engine to push to.
 
-Variants (the module is the working tree's grpo_colocate.py, or .stage/i24/grpo_colocate.py when present):
-    main          fp32 parameters under bf16 autocast, the compiled logprob chunk (the code as it is)
-    eager         main with the chunk eager (checkpointed autograd, no compile)
-    manual        main with the hand-written autograd chunk (no compile)
-    fsdp          FSDP2 on one rank: fp32 masters, bf16 compute parameters (MixedPrecisionPolicy), compiled chunk
-    fsdp-manual   fsdp with the hand-written chunk
-    fsdp-keep     fsdp-manual, reshard_after_forward=False (bf16 copies kept from forward to backward)
-    fsdp-regions  fsdp-keep + torch.compile of each layer's RMSNorms and MLP (regional, dynamic shapes)
-    bf16          plain bf16 parameters and AdamW, no masters (an upper bound for bf16 compute), manual chunk
+A variant is `main` or words joined by '-', each changing one thing of `main`:
+    main       the trainer as it is (the module is the working tree's grpo_colocate.py): fp32 parameters under bf16
+               autocast, gc.wrap_policy (each layer's norms and MLP compiled on CUDA), gc.TokenLogprobs with its
+               compiled kernels (gc.COMPILED)
+    manual     TokenLogprobs' kernels eager (logit_stats, logit_grads not compiled)
+    eager      the chunk before issue 24 instead (autograd through a checkpoint per chunk, kept in
+               logprobs_bench.py as an OLD variant), eager
+    ckpt       the same chunk compiled, as CUDA ran it before issue 24 (its graphs compile for about a minute)
+    noregions  the norms and MLP not compiled
+    fsdp       FSDP2 on one rank: fp32 masters, bf16 compute parameters (MixedPrecisionPolicy), as --fsdp
+    keep       with fsdp: reshard_after_forward=False (bf16 copies kept from forward to backward)
+    bf16       plain bf16 parameters and AdamW, no masters (an upper bound for bf16 compute)
+The rows of BENCHMARKS.md section 10 in these words (its `main` was the chunk before issue 24, its `manual` and
+`cchunk` the hand-written chunk that became TokenLogprobs, and no norms or MLP were compiled unless `regions`):
+main = ckpt-noregions, eager = eager-noregions, manual = manual-noregions, fsdp = fsdp-ckpt-noregions,
+fsdp-manual = fsdp-manual-noregions, fsdp-keep = fsdp-keep-manual-noregions, fsdp-regions = fsdp-keep-manual, bf16 = bf16-manual-noregions,
+manual-regions = manual, cchunk = noregions, cchunk-regions = main (adopted), fsdp-cchunk-regions = fsdp-keep,
+bf16-cchunk-regions = bf16.
+
+Updated to the API of issue 33: today's setup (setup_env, setup_distributed), memory_plan(cfg, env, model_config,
+num_params), train_step's budget and step, the batch's model_mask, transformers' get_scheduler (lr_lambda is gone);
+the chunk variants swap gc.TokenLogprobs or gc.COMPILED (gc.chunked_logprobs, gc._logprobs_and_entropy and
+gc._compiled_logprobs_and_entropy are gone; the hand-written chunk this driver carried is the trainer's
+TokenLogprobs since issue 24, so it uses that). The .stage/i24 module is no longer read. Verified on the CPU only:
+pyflakes, `check`, and `one` of a tiny shape with a small batch for main, manual, eager, noregions,
+eager-noregions, ckpt-noregions, bf16, bf16-manual, fsdp, fsdp-keep and fsdp-keep-manual (on the CPU in fp32: no
+autocast, no compiled norms or MLP, sdpa attention). Not run on a GPU after the update: the CUDA paths (bf16
+autocast, compiled kernels and regions, varlen attention, FSDP2's bf16 compute, peak memory) and every timing.
 """
 
+import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -28,164 +51,115 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGED = os.path.join(ROOT, ".stage/i24")
-sys.path.insert(0, STAGED if os.path.isfile(os.path.join(STAGED, "grpo_colocate.py")) else ROOT)
+sys.path.insert(0, ROOT)
 import grpo_colocate as gc  # noqa: E402
-from train_bench import SHAPES, bench_env, random_batch  # noqa: E402
+import train_bench as tb  # noqa: E402 (SHAPES and the one-rank setup: the same batch and env as train_bench.py)
+from logprobs_bench import pre24_chunked_logprobs, pre24_logprobs_and_entropy  # noqa: E402
+
+WORDS = ("manual", "eager", "ckpt", "noregions", "fsdp", "keep", "bf16")
+BATCH = (32, 8, 256)  # prompts, G, completion tokens
 
 
-def _chunk_forward(z, targets, temperature):
-    """z: [n, V] logits of a chunk -> logp of the targets, entropy, logsumexp: [n] each, fp32."""
-    z = z.float() / temperature  # [n, V]
-    lse = torch.logsumexp(z, dim=-1)  # [n]
-    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [n]: H = logsumexp(z) - sum_v p_v z_v
-    logps = z.gather(-1, targets[:, None]).squeeze(-1) - lse  # [n]
-    return logps, entropy, lse
+def parse(variant: str) -> set:
+    words = set() if variant == "main" else set(variant.split("-"))
+    unknown = words - set(WORDS)
+    if unknown or len(words & {"manual", "eager", "ckpt"}) > 1 or "keep" in words and "fsdp" not in words:
+        raise SystemExit(f"variant {variant!r}: main, or words of {WORDS} joined by '-' (one chunk word at most; "
+                         "keep needs fsdp)")
+    return words
 
 
-def _chunk_backward(z, targets, temperature, lse, entropy, grad_logps, grad_entropy, dtype):
-    """dL/dz of a chunk: g_logp (onehot(y) - p) + g_H (-p (log p + H)), / T, in dtype. All but z: [n]."""
-    z = z.float() / temperature  # [n, V]
-    log_p = z - lse[:, None]  # [n, V]
-    p = log_p.exp()
-    dz = -p * (grad_logps[:, None] + grad_entropy[:, None] * (log_p + entropy[:, None]))
-    dz = dz.scatter_add(-1, targets[:, None], grad_logps[:, None])
-    return (dz / temperature).to(dtype)
+class Pre24Logprobs:
+    """[OLD] stands in for gc.TokenLogprobs in Policy.forward: the chunk before issue 24 (pre24_chunked_logprobs,
+    logprobs_bench.py), eager or compiled. Policy detaches the entropy (no --entropy_coef), as this chunk did."""
+
+    chunk = staticmethod(pre24_logprobs_and_entropy)
+
+    @classmethod
+    def apply(cls, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
+        return pre24_chunked_logprobs(hidden, weight, targets, temperature, chunk_size, top_k, top_p,
+                                      chunk=cls.chunk)
 
 
-KERNELS = {"forward": _chunk_forward, "backward": _chunk_backward}
+def use_chunk(words):
+    """The logprob chunk of the variant, patched into this process's grpo_colocate."""
+    if "manual" in words:
+        for f in list(gc.COMPILED):
+            gc.COMPILED[f] = f
+    if "eager" in words or "ckpt" in words:
+        if "ckpt" in words:  # as _compiled_logprobs_and_entropy was
+            Pre24Logprobs.chunk = staticmethod(torch.compile(pre24_logprobs_and_entropy, dynamic=True))
+        gc.TokenLogprobs = Pre24Logprobs
 
 
-def compile_kernels():
-    KERNELS["forward"] = torch.compile(_chunk_forward, dynamic=True)
-    KERNELS["backward"] = torch.compile(_chunk_backward, dynamic=True)
+def build(lm, words, env, cfg, checkpointing):
+    """The policy of a variant: gc.wrap_policy itself (main, bf16, fsdp), or its steps here, changed (noregions,
+    keep)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-
-class ManualLogprobs(torch.autograd.Function):
-    """logp_t = z_t[y_t] - logsumexp(z_t), H_t = logsumexp(z_t) - sum_v p_v z_v, z = h W^T / T, chunk_size rows at a
-    time. Backward recomputes each chunk's logits and applies d logp / dz = onehot(y) - p, dH / dz = -p (log p + H)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, chunk_size):
-        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
-        w = weight.to(dtype)
-        parts = []
-        for start in range(0, len(hidden), chunk_size):
-            rows = slice(start, start + chunk_size)
-            z = F.linear(hidden[rows].to(dtype), w)  # [n, V]
-            parts.append(KERNELS["forward"](z, targets[rows], temperature))
-        logps, entropy, lse = (torch.cat(x) for x in zip(*parts))
-        ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk_size, ctx.dtype = temperature, chunk_size, dtype
-        ctx.set_materialize_grads(False)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        if grad_logps is None and grad_entropy is None:
-            return None, None, None, None, None
-        grad_logps = torch.zeros_like(lse) if grad_logps is None else grad_logps
-        grad_entropy = torch.zeros_like(lse) if grad_entropy is None else grad_entropy
-        w = weight.to(ctx.dtype)
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        for start in range(0, len(hidden), ctx.chunk_size):
-            rows = slice(start, start + ctx.chunk_size)
-            h = hidden[rows].to(ctx.dtype)
-            dz = KERNELS["backward"](F.linear(h, w), targets[rows], ctx.temperature, lse[rows], entropy[rows],
-                                     grad_logps[rows], grad_entropy[rows], ctx.dtype)  # [n, V]
-            grad_hidden[rows] = (dz @ w).to(hidden.dtype)
-            grad_weight += (dz.T @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
-
-
-def manual_chunked_logprobs(hidden, weight, targets, temperature=1.0, chunk_size=1024, top_k=0, top_p=1.0,
-                            entropy_grad=False):
-    assert top_k == 0 and top_p == 1.0
-    logps, entropy = ManualLogprobs.apply(hidden, weight, targets, temperature, chunk_size)
-    return logps, entropy if entropy_grad else entropy.detach()
+    if "bf16" in words:
+        lm = lm.to(torch.bfloat16)
+    if not words & {"noregions", "keep"}:
+        return gc.wrap_policy(lm, env, dataclasses.replace(cfg, fsdp="fsdp" in words), checkpointing)
+    policy = gc.Policy(lm)
+    layers = lm.get_decoder().layers
+    for layer in layers if "noregions" not in words and gc.compiled(env.device) else ():
+        for name, module in layer.named_children():
+            if name == "mlp" or name.endswith("norm"):
+                module.compile(dynamic=True)
+    for layer in layers if checkpointing else ():
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+    if "fsdp" not in words:
+        return policy
+    shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32),
+                 reshard_after_forward="keep" not in words)
+    for layer in layers:
+        fully_shard(layer, **shard)
+    return fully_shard(policy, **shard)
 
 
 def check():
-    """The hand-written gradients against autograd through gc._logprobs_and_entropy (fp32, CPU or GPU)."""
+    """Today's hand-written gradients (gc.TokenLogprobs) against autograd through the chunk before issue 24
+    (float64, CPU or GPU; the kernels are compiled on CUDA), without and with top-k / top-p."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     h = torch.randn(300, 64, device=device, dtype=torch.float64, requires_grad=True)
     w = torch.randn(500, 64, device=device, dtype=torch.float64, requires_grad=True)
     y = torch.randint(0, 500, (300,), device=device)
     gl, ge = torch.randn(300, device=device, dtype=torch.float64), torch.randn(300, device=device, dtype=torch.float64)
-    lp, ent = gc._logprobs_and_entropy(h, w, y, 0.7, entropy_grad=True)
-    torch.autograd.backward([lp, ent], [gl, ge])
-    ref = h.grad.clone(), w.grad.clone(), lp.detach(), ent.detach()
-    h.grad = w.grad = None
-    lp2, ent2 = ManualLogprobs.apply(h, w, y, 0.7, 128)
-    torch.autograd.backward([lp2, ent2], [gl.float(), ge.float()])
-    for name, a, b in (("grad_h", h.grad, ref[0]), ("grad_w", w.grad, ref[1]), ("logp", lp2, ref[2]),
-                       ("entropy", ent2, ref[3])):
-        print(name, "max rel diff", ((a - b).abs().max() / b.abs().max()).item())
+    for top_k, top_p in ((0, 1.0), (50, 0.9)):
+        h.grad = w.grad = None
+        lp, ent = pre24_logprobs_and_entropy(h, w, y, 0.7, top_k, top_p, entropy_grad=True)
+        torch.autograd.backward([lp, ent], [gl, ge])
+        ref = h.grad.clone(), w.grad.clone(), lp.detach(), ent.detach()
+        h.grad = w.grad = None
+        lp2, ent2 = gc.TokenLogprobs.apply(h, w, y, 0.7, top_k, top_p, 128)
+        torch.autograd.backward([lp2, ent2], [gl.float(), ge.float()])
+        for name, a, b in (("grad_h", h.grad, ref[0]), ("grad_w", w.grad, ref[1]), ("logp", lp2, ref[2]),
+                           ("entropy", ent2, ref[3])):
+            print(f"top_k {top_k} top_p {top_p}", name, "max rel diff",
+                  ((a.double() - b).abs().max() / b.abs().max()).item())
 
 
-def build(shape, variant, env, cfg):
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
+def one(shape, variant, profile=None, steps=6, batch=BATCH):
+    words = parse(variant)
+    use_chunk(words)
+    cfg = tb.bench_cfg(gc, batch)
+    env = tb.setup(gc, cfg)
+    cuda = env.device.type == "cuda"
+    lm = tb.random_lm(gc, shape, env)
+    plan = gc.memory_plan(cfg, env, lm.config, sum(p.numel() for p in lm.parameters()))
+    policy = build(lm, words, env, cfg, plan.checkpointing)
+    lm = gc.unwrap(policy).lm
+    optimizer, scheduler = tb.optimizer_and_scheduler(cfg, env, policy)
 
-    config = AutoConfig.for_model(**SHAPES[shape])
-    torch.manual_seed(0)
-    with env.device:
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="varlen").eval()
-    if variant.startswith("bf16"):
-        lm = lm.to(torch.bfloat16)
-    regions = "regions" in variant
-    if not variant.startswith("fsdp"):
-        for layer in lm.get_decoder().layers if regions else ():
-            for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
-                m.compile(dynamic=True)
-        return gc.Policy(lm)
-    policy = gc.Policy(lm)
-    keep = variant != "fsdp" and variant != "fsdp-manual"
-    shard = dict(mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-                 reshard_after_forward=not keep)
-    for layer in lm.get_decoder().layers:
-        if regions:
-            for m in (layer.input_layernorm, layer.post_attention_layernorm, layer.mlp):
-                m.compile(dynamic=True)
-        fully_shard(layer, **shard)
-    return fully_shard(policy, **shard)
-
-
-def one(shape, variant, profile=None, steps=6):
-    import torch.distributed as dist
-    from transformers import AttentionInterface
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"), RANK="0",
-                      WORLD_SIZE="1")
-    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-    AttentionInterface.register("varlen", gc.varlen_attention)
-    if variant == "eager":
-        gc._compiled_logprobs_and_entropy = gc._logprobs_and_entropy
-    if "manual" in variant or "cchunk" in variant or variant.startswith(("fsdp-", "bf16")):
-        gc.chunked_logprobs = manual_chunked_logprobs
-    if "cchunk" in variant:
-        compile_kernels()
-    device = torch.device("cuda")
-    torch.cuda.set_device(0)
-    env = bench_env(device)
-    cfg = gc.Config(max_completion_length=256)
-    policy = build(shape, variant, env, cfg)
-    lm = policy.lm
-    budget = gc.memory_plan(cfg, lm, env)[0]
-    cfg = gc.dataclasses.replace(cfg, max_tokens_per_microbatch=budget, gradient_checkpointing="false")
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-6, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, gc.lr_lambda(cfg))
-
-    batch = random_batch(gc)
-    mask = batch.completion_mask
+    batch = tb.random_batch(gc, "fixed", batch)
+    mask = batch.model_mask
     # precision: the batch's logprobs before any update, against those `main` computes (saved by its run)
-    logps = gc.no_grad_logps(policy, batch, cfg, env)
+    logps = gc.no_grad_logps(policy, batch, cfg, env, plan.tokens)
     ref_path = f"/tmp/precision_ref_{shape}.pt"
     drift = None
     if variant == "main":
@@ -195,26 +169,30 @@ def one(shape, variant, profile=None, steps=6):
     tokens = sum(map(len, batch.prompt_ids)) + sum(map(len, batch.completion_ids))
     times = []
     for step in range(steps):
-        torch.cuda.synchronize()
+        gc.cuda_sync(env)
         start = time.perf_counter()
-        gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})
-        torch.cuda.synchronize()
+        stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.tokens, {}, step + 1)
+        gc.cuda_sync(env)
         times.append(time.perf_counter() - start)
+        if stats["skipped"]:
+            raise RuntimeError(f"step {step + 1}: train_step skipped a non-finite step")
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            gc.train_step(policy, optimizer, scheduler, batch, cfg, env, {})
-            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with torch_profile(activities=activities) as prof:
+            gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.tokens, {}, steps + 1)
+            gc.cuda_sync(env)
         with open(profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80))
     median = statistics.median(times[2:])
     peak = gc.peak_flops(env) or 989e12
     print(json.dumps({"shape": shape, "variant": variant, "step1_s": round(times[0], 2), "median_s": round(median, 4),
                       "mfu": round(6 * gc.matmul_params(lm) * tokens / median / peak, 4),
-                      "microbatches": len(gc.plan_micro_batches(batch, cfg, env)), "budget": budget,
-                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+                      "microbatches": len(gc.plan_micro_batches(batch, plan.tokens, env)), "budget": plan.tokens,
+                      "checkpointing": plan.checkpointing,
+                      "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
                       "drift_vs_main": drift}), flush=True)
-    dist.destroy_process_group()
+    gc.dist.destroy_process_group()
 
 
 if __name__ == "__main__":
@@ -226,11 +204,12 @@ if __name__ == "__main__":
     else:  # all: each variant in a fresh process, with a fresh inductor cache (a fresh machine's compile)
         out = os.environ.get("OUT", "/tmp/out")
         shapes = sys.argv[2:] or ["qwen2.5-1.5b", "smollm2-135m"]
-        variants = os.environ.get("VARIANTS", "main eager manual fsdp fsdp-manual fsdp-keep fsdp-regions bf16").split()
+        variants = os.environ.get("VARIANTS", "main manual noregions eager ckpt fsdp fsdp-keep bf16").split()
+        for variant in variants:
+            parse(variant)  # a misspelt one stops here, before any run
         profiled = os.environ.get("PROFILE", "").split()
         for shape in shapes:
-            for variant in variants:
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"/tmp/inductor-{shape}-{variant}",
-                           MASTER_PORT=str(29500 + len(os.listdir("/tmp")) % 400))
+            for variant in variants:  # `main` first: the others' drift is against its logprobs
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"/tmp/inductor-{shape}-{variant}")
                 extra = ["--profile", f"{out}/profile-{shape}-{variant}.txt"] if variant in profiled else []
                 subprocess.run([sys.executable, __file__, "one", shape, variant, *extra], env=env, timeout=400)
