@@ -775,11 +775,12 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         gap = 0.0 if math.isnan(gap) else gap
         stats["canary_gap"] = check_gap(gap, env, step, "the tokens vLLM sampled")
     with timed(ledger, "optimizer", env):
-        # ||g|| over the whole model (FSDP2: shards, so a DTensor), then g *= min(1, max / ||g||)
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(),
-                                                   cfg.max_grad_norm or math.inf)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
+        # ||g|| over the whole model (FSDP2: reduced over ranks, on the GPU though CPU-offloaded)
+        params = [p for p in policy.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        grad_norm = full_tensor(grad_norm, torch.float32, env.device)
+        if cfg.max_grad_norm > 0:  # g *= min(1, max / ||g||)
+            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
         # a NaN/inf loss makes the gradient non-finite; the norm is global: all ranks agree
         finite = bool(torch.isfinite(grad_norm))
         if finite:
@@ -1082,9 +1083,8 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world))
     # any collective, barriers included, waits this long (e.g. the other ranks while rank 0 saves)
     timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
-    # CPU offload: FSDP2's gradient norm is a sum over CPU shards, which NCCL cannot reduce
-    backend = "cpu:gloo,cuda:nccl" if cfg.fsdp_cpu_offload else "nccl" if cuda else "gloo"
-    dist.init_process_group(backend, timeout=timeout, device_id=env.device if cuda else None)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
+                            device_id=env.device if cuda else None)
     if env.world > 1:
         agree_at_start(cfg, env, error, facts or {})
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours are the same groups
