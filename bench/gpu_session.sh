@@ -30,7 +30,7 @@
 #   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
 #   s12 STEPS issues 33-35 (BENCHMARKS.md section 12), after staging: STEPS of
-#             tests   the tests marked gpu, and a 2-step run of run.sh's GPU default
+#             tests   the tests marked gpu (on every GPU: 7 on 2 GPUs), and a 2-step run of run.sh's GPU default
 #             det1    two identical 3-step runs on 2 GPUs (DDP), plain and with DETERMINISTIC=1: where they part
 #                     (bench/determinism.py); det2: the same with ENGINE_SYNC=1 too, DDP and FSDP2 (both before the
 #                     flag; DETERMINISTIC=1 crashed the engine's compiler); det3: DDP plain (once, the cost), DDP and
@@ -190,7 +190,7 @@ s12)
   for step in "$@"; do case $step in
   tests)
     versions | tee "$OUT/s12-versions.txt"
-    CUDA_VISIBLE_DEVICES=0 timeout 360 bash run.sh test --gpu -v > "$OUT/s12-gpu-tests.txt" 2>&1
+    timeout 540 bash run.sh test --gpu -v -rs > "$OUT/s12-gpu-tests.txt" 2>&1  # every GPU: the 2-GPU tests too
     tail -3 "$OUT/s12-gpu-tests.txt"
     CUDA_VISIBLE_DEVICES=0 timeout 150 bash run.sh --model "$SMOL" --max_steps 2 --eval_steps 0 \
       --output_dir outputs/s12-smoke > "$OUT/s12-smoke.log" 2>&1; tail -4 "$OUT/s12-smoke.log" | cut -c1-300 ;;
