@@ -2764,15 +2764,17 @@ NEEDS_2_CUDA = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2
 def test_gpu_full_determinism_repeats_two_rank_runs(tmp_path, trainer):
     """Issue 35 item 1: two identical 2-GPU runs with --full_determinism log the same losses and
     gradient norms at every step (without it, the gradients of step 1 already differ in the last
-    bits: FlashAttention's backward adds with atomics)."""
+    bits: FlashAttention's backward adds with atomics), and a resume from step 2 repeats step 3."""
     logs = []
-    for name in ("a", "b"):
+    for name in ("a", "b", "resumed"):
         out = str(tmp_path / name)
+        resume = ["--resume_from_checkpoint", str(tmp_path / "a" / "checkpoint-2")] * (name == "resumed")
         run_trainer(["--model", MODEL, *SMALL, *LEARNS, "--max_steps", "3", "--eval_steps", "0",
-                     "--save_steps", "-1", "--full_determinism", *trainer, "--output_dir", out],
+                     "--save_steps", "2", "--full_determinism", *trainer, *resume, "--output_dir", out],
                     nproc=2, timeout=400)
         logs.append([(r["loss"], r["grad_norm"], r["reward"]) for r in read_metrics(out)])
     assert logs[0] == logs[1] and len(logs[0]) == 3
+    assert logs[2] == logs[0][2:]  # the resumed run logs step 3 alone
 
 
 def test_full_determinism_switches_to_deterministic_uncompiled_kernels(tiny_model):
