@@ -35,6 +35,7 @@ import os
 import pickle
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 from contextlib import contextmanager, nullcontext, redirect_stderr
@@ -544,7 +545,7 @@ def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
     count = (batch.loss_mask if normaliser == "tokens" else batch.trained).sum().to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
-    return count.item(), float(env.world)
+    return max(count.item(), 1), float(env.world)  # 1: no trained token anywhere, loss 0 (not 0/0)
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
@@ -593,7 +594,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     if normaliser == "micro_batch" or (global_count is None and normaliser == "tokens"):
         loss = total.sum() / mask.sum().clamp(min=1)
     elif normaliser == "tokens":
-        loss = total.sum() / torch.as_tensor(global_count, dtype=logps.dtype).clamp(min=1)
+        loss = total.sum() / global_count
     elif normaliser == "sequences":
         loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
     else:
@@ -785,7 +786,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
-            scheduler.step()
+        scheduler.step()  # the rate follows the step count, as a resume sets it
         optimizer.zero_grad(set_to_none=True)
     stats["grad_norm"] = grad_norm.item()
     stats["skipped"] = float(not finite)
@@ -1426,16 +1427,15 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     load_tools(cfg)
     if cfg.resume_from_checkpoint:  # read here: a crafted checkpoint is refused before any engine
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
-        # what it holds (LoRA: an adapter), and the train order that its data position counts in
-        for flag in ("use_peft", "model", "seed", "dataset", "dataset_split", "eval_split",
-                     "num_eval", "prompt_column", "answer_column", "max_prompt_length", "tools"):
+        # what it holds (LoRA: an adapter of that shape), and the train order its position counts in
+        for flag in ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
+                     "model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
+                     "prompt_column", "answer_column", "max_prompt_length", "tools"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
                  f"checkpoint's run had {saved.get(flag)!r}: pass that")
     try:  # on every rank: each writes its own checkpoint shards there
         os.makedirs(cfg.output_dir, exist_ok=True)
-        probe = os.path.join(cfg.output_dir, f".write-test-{os.environ.get('RANK', '0')}")
-        open(probe, "w").close()
-        os.remove(probe)
+        tempfile.TemporaryFile(dir=cfg.output_dir).close()
     except OSError as e:
         need(False, "output_dir", f"cannot write to {cfg.output_dir!r} ({e.strerror})")
 

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -1234,7 +1235,8 @@ def test_soft_capped_models_are_refused(capping):
 ORDER_FLAGS = [("model", "someone/else"), ("seed", 7), ("dataset", "openai/gsm8k"),
                ("dataset_split", "test"), ("eval_split", "test"), ("num_eval", 64),
                ("prompt_column", "question"), ("answer_column", "solution"),
-               ("max_prompt_length", 128)]
+               ("max_prompt_length", 128), ("lora_r", 8), ("lora_alpha", 16), ("lora_dropout", 0.05),
+               ("lora_target_modules", ["q_proj"])]  # the last four: the adapter's shape, from the checkpoint
 
 
 @pytest.mark.parametrize("flag,value", ORDER_FLAGS)
@@ -1247,7 +1249,7 @@ def test_resume_with_another_data_order_is_refused(tmp_path, flag, value):
     config = json.loads((tmp_path / "grpo_config.json").read_text())
     config[flag] = value  # the checkpoint's run had another value
     (tmp_path / "grpo_config.json").write_text(json.dumps(config))
-    with pytest.raises(gc.ConfigError, match=f"^--{flag}: is .*, but the checkpoint's run had {value!r}: pass that"):
+    with pytest.raises(gc.ConfigError, match=f"^--{flag}: is .*, but the checkpoint's run had {re.escape(repr(value))}"):
         gc.parse_args(argv)
 
 
@@ -1428,7 +1430,8 @@ def test_non_finite_step_is_skipped():
     sums = gc.train_step(policy, optimizer, scheduler, batch([float("nan"), 1.0]), cfg, env, BUDGET, {}, 1)
     assert sums["skipped"] == 1.0 and not math.isfinite(sums["grad_norm"])
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # no update
-    assert all(p.grad is None for p in policy.parameters()) and scheduler.last_epoch == 0
+    # no update, but the rate follows the step count (as a resume sets it from the step)
+    assert all(p.grad is None for p in policy.parameters()) and scheduler.last_epoch == 1
     sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, BUDGET, {}, 2)
     assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
@@ -3345,6 +3348,24 @@ def test_filler_groups_do_not_count_as_sequences(monkeypatch):
         assert count == 2 and scale == 1.0, loss_type  # not 4
     count, _ = gc.loss_normaliser("dapo", batch, cpu_env(), 1)
     assert count == batch.loss_mask.sum().item()  # tokens: the fillers have none
+
+
+def test_a_step_of_filler_groups_alone_has_loss_zero(monkeypatch):
+    """No group varies on any rank (an easy batch late in training, or a hard one early): every
+    group is a filler, the global count 0 is taken as 1, and each loss type gives loss 0, not 0/0
+    (a NaN that skipped the step, and three in a row stopped the run)."""
+    batch = stand_in_rollout(monkeypatch, [0, 2, 4, 6], 2)  # even prompts: no group varies
+    assert not batch.trained.any()
+    T = batch.loss_mask.shape[1]
+    logps = torch.full((4, T), -1.0, requires_grad=True)
+    for loss_type in gc.NORMALISERS:
+        count, _ = gc.loss_normaliser(loss_type, batch, cpu_env(), 1)
+        cfg = gc.Config(loss_type=loss_type, num_generations=2)
+        loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(4), batch.loss_mask, cfg,
+                               keep=torch.ones(4, T), global_count=count)
+        assert count in (None, 1) and loss.item() == 0.0, loss_type
+        loss.backward()
+        assert torch.isfinite(logps.grad).all(), loss_type
 
 
 def test_weight_decay_skips_biases_and_norms(tiny_model):
