@@ -1026,15 +1026,15 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather in generate
     samples, _ = rollout(llm, cfg, env, tokenizer, [row["prompt_ids"] for row in mine])
     llm.reset_prefix_cache()  # as after the probe
-    sums = torch.zeros(len(reward_funcs))  # [R]
+    totals = torch.zeros(2, len(reward_funcs))  # [2, R]: each function's sum, and what it scored
     if mine:
         ids = [s.token_ids for s in samples]
         scores = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length)  # [n, R]
-        sums = scores.nan_to_num(0.0).sum(0)
-    totals = torch.cat([sums, torch.tensor([float(len(mine))])]).to(env.device)
-    dist.all_reduce(totals)
-    means = {f"eval/{fn.__name__}": s / totals[-1].item()
-             for fn, s in zip(reward_funcs, totals[:-1].tolist())}
+        totals = torch.stack([scores.nansum(0), (~scores.isnan()).sum(0).float()])
+    totals = totals.to(env.device)
+    dist.all_reduce(totals)  # the mean over what it scored (nanmean), as the training rewards/
+    means = {f"eval/{fn.__name__}": s / max(n, 1.0)
+             for fn, s, n in zip(reward_funcs, *totals.tolist())}
     which = "eval at step 0 (base model)" if step == 0 else f"eval at step {step}"
     print0(f"{which}: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))
     return means
@@ -1747,7 +1747,7 @@ MEANS = {
     "tools/failure_frequency": ("tool_failures", "tool_calls"),
     "tools/turns": ("turns", "generated_completions"),
     "dynamic_sampling/informative_fraction": ("varied_groups", "generated_groups"),
-    "dynamic_sampling/generated_per_trained_token": ("generated_tokens", "length"),
+    "dynamic_sampling/generated_per_trained_token": ("generated_tokens", "tokens"),
 }
 
 

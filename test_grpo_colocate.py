@@ -3599,6 +3599,19 @@ def test_prefix_cache_reset_after_the_probe_and_the_eval(smol_tokenizer, world_o
     assert engine.resets == 2
 
 
+def test_eval_means_leave_unscored_completions_out(smol_tokenizer, world_of_one):
+    """The eval's mean of a reward function is over the completions it scored (None: not scored),
+    as the training rewards/ means are (TRL's nanmean): not a 0 for every None."""
+    def scores_answer_1(prompts, completions, answer, **columns):
+        return [1.0 if a == "1" else None for a in answer]
+    rows = [{"prompt": "p", "answer": a, "prompt_ids": [10, 11]} for a in ("1", "?", "?")]
+    cfg = gc.Config(reward_funcs=["reward_len"])
+    means = gc.evaluate(RecordingEngine(), cfg, cpu_env(tp_group=None), smol_tokenizer, rows,
+                        [scores_answer_1, rf.reward_len], 1)
+    assert means["eval/scores_answer_1"] == 1.0  # not 1/3
+    assert means["eval/reward_len"] <= 0.0  # every completion scored
+
+
 def test_a_none_reward_through_score_and_make_batch(monkeypatch):
     """Issue 36 item 9: a None passes through score() as NaN; a completion every function returns
     None for is NaN in the weighted sum (a single None counts 0 there), stays out of its group's
