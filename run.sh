@@ -163,7 +163,7 @@ launch() {  # then curves.png from the run's metrics.jsonl (bench/plot_curves.py
 }
 
 if [ "$GPUS" -gt 0 ]; then  # one process per GPU; the defaults are sized for a GPU
-  # (BENCHMARKS.md section 1: held-out accuracy 7.4% -> 50.8% in 150 steps on one H200)
+  # (BENCHMARKS.md "Learning on the GPU": held-out accuracy 7.4% -> 50.8% in 150 steps on one H200)
   launch "$GPUS" \
     --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4 \
     --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant \
@@ -172,7 +172,7 @@ fi
 # CPU: one process and a small batch; the reward is accuracy alone (a format reward is hacked at once). The base model
 # gets about 5% right and an all-wrong group has no gradient: dynamic sampling samples 16 groups and trains on 4, those
 # whose rewards vary first
-# (BENCHMARKS.md section 6: held-out accuracy 4.7-7.8% -> 29.7-31.2% in 30 steps, about 9 minutes on 2 cores)
+# (BENCHMARKS.md "CPU": held-out accuracy 4.7-7.8% -> 29.7-31.2% in 30 steps, about 9 minutes on 2 cores)
 launch 1 \
   --num_generations 4 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --dynamic_sampling_factor 4 \
   --max_prompt_length 96 --max_completion_length 48 --temperature 0.8 --reward_funcs accuracy_reward \

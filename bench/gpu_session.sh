@@ -8,7 +8,7 @@
 #   resume    a run resumed from checkpoint-2 reproduces steps 3-4 of the uninterrupted run
 #   fixed     ours (defaults) vs TRL (its defaults), fixed 256-token completions: SmolLM2-135M and the 1.5B shape
 #   varlen    the same on completions of natural, widely spread lengths (SmolLM2, "write N sentences about X")
-#   learn [SEED]  60-step learning runs (seeds 42 and 7, or SEED), ours vs TRL (BENCHMARKS.md section 4's settings)
+#   learn [SEED]  60-step learning runs (seeds 42 and 7, or SEED), ours vs TRL (BENCHMARKS.md "Learning on the GPU")
 #   seeds     generate with and without per-request seeds (run after fixed: it needs the 1.5B shape)
 #   lora      the 1.5B shape: LoRA vs full fine-tuning, memory and step time
 #   trainbench  the train phase alone, variants and profiles (bench/train_bench.py; needs no vLLM)
@@ -21,15 +21,15 @@
 #   loragap   the trainer/vLLM logprob gap at step 1, full vs LoRA (bf16 base, and fp32 base: .stage/lorafp32), SmolLM2
 #             and the 1.5B shape (MODELS: smol 1.5b; VARIANTS=... a subset of full fsdp lora lorafp32)
 #   refkl     the KL at step 1 (policy = reference) with --beta 0.04: reference in bf16 (.stage/refbf16) vs fp32 (SmolLM2)
-#   s10 STEPS issue 24 (BENCHMARKS.md section 10): STEPS of make (the 1.5B shape), old15 (the code before issue 24,
+#   s10 STEPS (BENCHMARKS.md "The train phase", "Against TRL 1.16"): STEPS of make (the 1.5B shape), old15 (older code,
 #             carried in .stage/old, on the 1.5B shape), new15 (the working tree: the same run, then generation against
 #             standalone vLLM), trl15 (ours, then TRL at its defaults, one call), smol (ours vs TRL, fixed and natural
 #             lengths), learn (40 steps, ours vs TRL, LEARN_SEEDS), resume (a resume's step 1), default (run.sh's GPU
 #             default run, 20 steps, old vs new)
-#   s11       issues 25/27/30: the tests marked gpu, run.sh's default run (6 steps, saved at 3) and its resume
-#   ab        the default run (section 7's settings, 20 steps) at the commit carried in .stage/old vs the working
+#   s11       the tests marked gpu, run.sh's default run (6 steps, saved at 3) and its resume (BENCHMARKS.md "Checks on the GPU")
+#   ab        the default run (run.sh's GPU settings, 20 steps) at the commit carried in .stage/old vs the working
 #             tree, alternating old, new, old, new
-#   s12 STEPS issues 33-35 (BENCHMARKS.md section 12), after staging: STEPS of
+#   s12 STEPS (BENCHMARKS.md "Checks on the GPU", "Scaling over GPUs"), after staging: STEPS of
 #             tests   the tests marked gpu (on every GPU: 7 on 2 GPUs), and a 2-step run of run.sh's GPU default
 #             det1    two identical 3-step runs on 2 GPUs (DDP), plain and with DETERMINISTIC=1: where they part
 #                     (bench/determinism.py); det2: the same with ENGINE_SYNC=1 too, DDP and FSDP2 (both before the

@@ -10,10 +10,11 @@ no TF32, the whole [N, V] log_softmax at once). Keep the fastest variant whose d
 
 `current` is the trainer's (issue 24 on): gc.TokenLogprobs, Policy's chunk size, the lm_head matmul in bf16 under
 autocast, the log-sum-exp, entropy and backward in the compiled kernels gc.COMPILED (logit_stats, logit_grads), each
-chunk's logits recomputed in backward by hand. Every other row runs the chunk of section 0 (BENCHMARKS.md), which
-issue 24 replaced: `pre24_logprobs_and_entropy` below, a copy of grpo_colocate's `_logprobs_and_entropy` of its day
-(the fp32 logits as an [N, V] copy, autograd through a checkpoint), kept in this driver as the old variant; its
-`pre-issue-24 chunk, ... recompute` row is section 0's `current`.
+chunk's logits recomputed in backward by hand. Every other row runs the older chunk, which issue 24 replaced (its
+table, measured at 5b8bd57, is in BENCHMARKS.md's git history): `pre24_logprobs_and_entropy` below, a copy of
+grpo_colocate's `_logprobs_and_entropy` of its day (the fp32 logits as an [N, V] copy, autograd through a
+checkpoint), kept in this driver as the old variant; its `pre-issue-24 chunk, ... recompute` row is that table's
+`current`.
 
 Updated to the API of issue 33: gc._logprobs_and_entropy and gc.chunked_logprobs are gone; `current` calls
 gc.TokenLogprobs, the old chunk lives here. Verified on the CPU only (pyflakes, and each variant's forward and

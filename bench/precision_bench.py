@@ -23,8 +23,9 @@ A variant is `main` or words joined by '-', each changing one thing of `main`:
     fsdp       FSDP2 on one rank: fp32 masters, bf16 compute parameters (MixedPrecisionPolicy), as --fsdp
     keep       with fsdp: reshard_after_forward=False (bf16 copies kept from forward to backward)
     bf16       plain bf16 parameters and AdamW, no masters (an upper bound for bf16 compute)
-The rows of BENCHMARKS.md section 10 in these words (its `main` was the chunk before issue 24, its `manual` and
-`cchunk` the hand-written chunk that became TokenLogprobs, and no norms or MLP were compiled unless `regions`):
+BENCHMARKS.md "The train phase" names its rows by these variants. The fuller table of 906b95e (in git history) in
+these words (its `main` was the chunk before issue 24, its `manual` and `cchunk` the hand-written chunk that became
+TokenLogprobs, and no norms or MLP were compiled unless `regions`):
 main = ckpt-noregions, eager = eager-noregions, manual = manual-noregions, fsdp = fsdp-ckpt-noregions,
 fsdp-manual = fsdp-manual-noregions, fsdp-keep = fsdp-keep-manual-noregions, fsdp-regions = fsdp-keep-manual, bf16 = bf16-manual-noregions,
 manual-regions = manual, cchunk = noregions, cchunk-regions = main (adopted), fsdp-cchunk-regions = fsdp-keep,
