@@ -38,6 +38,17 @@
 #             learn   run.sh --max_steps 20 on one GPU (held-out accuracy before and after)
 #             smol    ours vs TRL at its defaults, SmolLM2, fixed 256-token completions, one GPU
 #             scale   the 1.5B shape (sleep on): one GPU, then 2 GPUs with DDP, FSDP2 and tp 2
+#   s13 STEPS generation settings and sleep mode, one GPU, after staging: STEPS of
+#             make    the 1.5B shape (gen makes it too, if missing, out of its own time)
+#             gen     bench/gen_settings.py on SmolLM2 and the 1.5B shape (made first if missing): each variant of the
+#                     trainer's engine (base, no_logprobs, async, max_num_seqs, fp8, cudagraph sizes; sleep/wake/push
+#                     timings in base) in a fresh process, the most important first, all within GEN_BUDGET (505 s of
+#                     the script's clock); GEN_JOBS="KEY:VARIANT[:WORKLOADS] ..." picks others (keys smol, q15).
+#                     Results: $OUT/s13-gen.jsonl, s13-gen-table.md, s13-gen.tar.gz (every job's log)
+#             sleep1  the trainer (run.sh bench, STANDALONE=0, 8 steps), --vllm_enable_sleep_mode true vs false:
+#                     SmolLM2 fixed 256 tokens, SmolLM2 natural stops (V); sleep2: the 1.5B shape fixed; sleep: all
+#                     three (too long for one call on an H100). Each run ends by S13_DEADLINE (550 s) or is skipped.
+#                     Results: $OUT/s13-STEP.tar.gz (metrics, logs), s13-STEP-ledger.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -228,6 +239,49 @@ s12)
       CUDA_VISIBLE_DEVICES=$([ $n = 1 ] && echo 0 || echo 0,1) NPROC=$n STANDALONE=0 timeout 200 bash run.sh bench \
         qwen2.5-1.5b-shape --vllm_enable_sleep_mode true $flags 2>&1 | tail -2
     done ;;
+  esac; done ;;
+s13)
+  shift
+  for step in "$@"; do case $step in
+  make)
+    [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 ;;
+  gen)
+    D=/tmp/s13-gen; rm -rf $D; mkdir -p $D
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $D/gpu.txt
+    [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > $D/make15.txt 2>&1
+    [ -f $D/make15.txt ] && tail -1 $D/make15.txt; echo "== ${SECONDS}s: jobs start"
+    J="smol:base q15:base:fixed smol:async_off q15:async_off:fixed smol:mns1024 q15:fp8:fixed smol:fp8 smol:cg_fit"
+    J+=" smol:async_on smol:sleep_off q15:cg_fit:fixed smol:v1_runner"  # (the random 1.5B never stops early: fixed only)
+    python3 bench/gen_settings.py run --model smol="$SMOL" --model q15="$M15" --jobs "${GEN_JOBS:-$J}" \
+      --out $D/gen.jsonl --logs $D/logs --budget_s $(( ${GEN_BUDGET:-505} - SECONDS )) --min_job_s 60 2>&1 | tee $D/driver.txt
+    cp $D/gen.jsonl "$OUT/s13-gen.jsonl"
+    python3 bench/gen_settings.py table $D/gen.jsonl > "$OUT/s13-gen-table.md" 2>&1
+    tar -czf "$OUT/s13-gen.tar.gz" --exclude=s13-gen/logs/out -C /tmp s13-gen
+    cat "$OUT/s13-gen-table.md"; echo "== s13 gen: ${SECONDS}s" ;;
+  sleep|sleep1|sleep2)
+    D=/tmp/s13-$step; rm -rf $D; mkdir -p $D; varlen_data
+    case $step in sleep1) runs="smol-fixed smol-natural";; sleep2) runs="q15-fixed";;
+                  *) runs="smol-fixed smol-natural q15-fixed";; esac
+    for w in $runs; do
+      model=smollm2-135m; [ ${w%-*} = q15 ] && model=qwen2.5-1.5b-shape
+      extra=(); [ $w = smol-natural ] && extra=("${V[@]}")
+      for mode in true false; do
+        left=$(( ${S13_DEADLINE:-550} - SECONDS - 10 )); cap=$([ ${w%-*} = q15 ] && echo 240 || echo 200)
+        [ $left -lt 75 ] && { echo "== $w sleep $mode: skipped (${left}s left)"; continue; }
+        echo "== $w sleep $mode (${SECONDS}s)"; touch $D/.start
+        STANDALONE=0 timeout -k 10 $(( left < cap ? left : cap )) bash run.sh bench $model "${extra[@]}" \
+          --vllm_enable_sleep_mode $mode > $D/$w-sleep$mode.txt 2>&1 || echo "   FAILED (rc $?): see $w-sleep$mode.txt"
+        dir=$(find outputs/bench -maxdepth 1 -name "${model%-shape}*" -newer $D/.start | head -1)  # this run's
+        [ -n "$dir" ] || dir=/nonexistent
+        cp $dir/metrics.jsonl $D/$w-sleep$mode.jsonl 2>/dev/null; cp $dir/train.log $D/$w-sleep$mode.log 2>/dev/null
+        grep -h "^engine: \|engine ready\|^step 8/" $D/$w-sleep$mode.log 2>/dev/null | cut -c1-300
+        grep -h "^| " $D/$w-sleep$mode.txt | tail -1
+      done
+    done
+    python3 bench/gen_settings.py ledger $(for w in $runs; do for mode in true false; do
+      echo "$w-sleep$mode=$D/$w-sleep$mode.jsonl"; done; done) > "$OUT/s13-$step-ledger.md" 2>&1
+    tar -czf "$OUT/s13-$step.tar.gz" -C /tmp s13-$step
+    cat "$OUT/s13-$step-ledger.md"; echo "== s13 $step: ${SECONDS}s" ;;
   esac; done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
