@@ -268,6 +268,19 @@ def resolved_config(llm) -> dict:
         got["v2_model_runner"] = bool(vc.use_v2_model_runner)
     except Exception as e:  # noqa: BLE001 - a field vLLM moved: report what was read
         got["read_error"] = error_of(e)
+    try:  # the linear layers' method (fp8: which scaled-mm kernel vLLM picked)
+        from vllm.model_executor.layers.linear import LinearBase
+
+        def linear_method(model):
+            for module in model.modules():
+                if isinstance(module, LinearBase):
+                    method = module.quant_method
+                    kernel = getattr(method, "fp8_linear", None)
+                    return type(method).__name__ + (f" / {type(kernel).__name__}" if kernel is not None else "")
+            return None
+        got["linear_method"] = llm.apply_model(linear_method)[0]
+    except Exception as e:  # noqa: BLE001
+        got["linear_method"] = f"unread: {error_of(e)}"
     return got
 
 
@@ -524,6 +537,8 @@ def table(path):
         if r["variant"] == "no_logprobs":
             continue
         gap, push, sl = r.get("gap"), r.get("push"), r.get("sleep")
+        if (r.get("engine") or {}).get("quantization"):
+            print(f"{r['model']}:{r['variant']} linear layers: {r['engine'].get('linear_method')}")
         if gap:
             g = gap.get("error") or f"mean {gap.get('mean_abs')}, max {gap.get('max_abs')} over {gap.get('sequences')} seqs"
             print(f"{r['model']}:{r['variant']} logprob gap vs transformers: {g}")
