@@ -216,21 +216,35 @@ def tp_gather(obj, env) -> list:
 
 
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
-    """Token ids in, a RequestOutput per prompt out (max_tokens: each's); prompt i's n completions
-    use seeds[i], seeds[i] + 1... on any rank: a TP group runs its requests once, ranks slice."""
+    """Token ids in, one vLLM RequestOutput per prompt out, in order. seeds[i]: prompt i's seed (its
+    n completions use seeds[i], seeds[i] + 1, ...); max_tokens[i]: its limit (None: params').
+
+    Seeds: every request carries its own, made from the run's seed and the prompt's data position
+    (rollout; a tool turn's: tool_turns), so a rollout repeats at a resume and on any world size.
+    The engine's own seed (make_engine) is alike within a TP group and differs across groups.
+    TP groups: the ranks of a group drive ONE engine together, so they must pass it the same
+    requests: each rank gathers the group's requests, all generate them once, and each keeps the
+    slice of the outputs that holds its own."""
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
-    everyone = tp_gather(requests, env)  # the TP group's requests
+
+    # the TP group's requests, in rank order (with tp 1: this rank's alone)
+    everyone = tp_gather(requests, env)
     group_requests = sum(everyone, [])
     prompts = [{"prompt_token_ids": ids} for ids, _, _ in group_requests]
-    per_request = [replace(params, seed=s, max_tokens=m or params.max_tokens)
-                   for _, s, m in group_requests]
+    per_request = [replace(params, seed=seed, max_tokens=limit or params.max_tokens)
+                   for _, seed, limit in group_requests]
     outputs = llm.generate(prompts, per_request, use_tqdm=False)
-    if env.tp > 1:  # hash() of ints and tuples is stable across processes
+
+    # every rank of the group must have sampled the same tokens (hash() of ints is stable)
+    if env.tp > 1:
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
         if len(set(tp_gather(sampled, env))) > 1:
             raise RuntimeError("the ranks of a TP group sampled different tokens: inputs differ")
-    start = sum(len(r) for r in everyone[:env.rank % env.tp])  # consecutive ranks: a TP group
+
+    # This rank's slice. A TP group is tp consecutive ranks (vLLM's external_launcher makes the
+    # groups so; setup_distributed builds the same ones), so the lower ranks' requests come first.
+    start = sum(len(r) for r in everyone[:env.rank % env.tp])
     return outputs[start:start + len(requests)]
 
 
@@ -245,16 +259,21 @@ def add_turn(c, sample=None) -> SimpleNamespace:
     return sample
 
 
-def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=None) -> dict:
-    """--tools, TRL's loop: while a sample's last turn called tools, append their results (read,
-    never trained on: model_mask 0) and its next turn. prompt_ids: each sample's. Returns counts."""
+def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions=None):
+    """--tools, TRL's loop: while a sample's last turn called tools, append the results and let the
+    model take its next turn. A result's tokens get model_mask 0: the model reads them, and no loss
+    or count of the trainer includes them (make_batch's loss_mask multiplies by model_mask).
+    sample_prompt_ids: each sample's prompt. Returns the counts the metrics log."""
     counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
     if not cfg.tools:
         return counts
     tools = load_tools(cfg)
-    took_turn = list(range(len(samples)))
+    took_turn = list(range(len(samples)))  # the samples whose last turn may hold calls
     # no limit: every turn adds a token at least, so max_completion_length turns are enough
-    for turn in range(1, (cfg.max_tool_calling_iterations or cfg.max_completion_length) + 1):
+    max_turns = cfg.max_tool_calling_iterations or cfg.max_completion_length
+    for turn in range(1, max_turns + 1):
+
+        # run each sample's calls; append the results where they fit
         active = []  # the samples that take this turn
         for k in took_turn:
             sample = samples[k]
@@ -263,23 +282,29 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
             results = [reward_fns.call_tool(tools, call) for call in calls]
             counts["tool_calls"] += len(results)
             counts["tool_failures"] += sum(failed for failed, _ in results)
-            messages = [message for _, message in results]
-            suffix = reward_fns.tool_suffix_ids(tokenizer, messages) if results else []
-            if results and len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
+            if not results:
+                continue
+            suffix = reward_fns.tool_suffix_ids(tokenizer, [message for _, message in results])
+            if len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
                 sample.token_ids += suffix
                 sample.model_mask += [0] * len(suffix)
                 active.append(k)
+
         # the ranks of a TP group drive one engine: they take every turn together
         if not any(tp_gather(bool(active), env)):
             break
-        seeds = None  # greedy: the eval
-        if positions:  # completion j of the prompt at position i: turn t's seed (seed, i, j, t)
+
+        # the model's next turn, after its results; completion j of the prompt at position i has
+        # the seed (seed, i, j, turn); the eval (positions None) is greedy
+        seeds = None
+        if positions:
             G = cfg.num_generations
             seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
                      for k in active]
-        requests = [prompt_ids[k] + samples[k].token_ids for k in active]
+        requests = [sample_prompt_ids[k] + samples[k].token_ids for k in active]
         room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
-        for k, out in zip(active, generate(llm, env, requests, replace(params, n=1), seeds, room)):
+        outputs = generate(llm, env, requests, replace(params, n=1), seeds, room)
+        for k, out in zip(active, outputs):
             add_turn(out.outputs[0], samples[k])
         counts["turns"] += len(active)
         took_turn = active
@@ -287,24 +312,28 @@ def tool_turns(llm, cfg, env, tokenizer, prompt_ids, samples, params, positions=
 
 
 def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
-    """(samples [N] grouped by prompt, tool counts); positions None: one greedy completion each."""
-    n = 1 if positions is None else cfg.num_generations
-    params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
+    """(samples [N], G consecutive ones per prompt; the tool counts). positions: the prompts' data
+    positions, which seed them; None: the eval, one greedy completion per prompt."""
+    greedy = positions is None
+    n = 1 if greedy else cfg.num_generations
+    params = sampling_params(cfg, greedy, cfg.vllm_importance_sampling_correction)
     seeds = None
-    if positions is not None:  # completion j of the prompt at position i: seed base + G i + j
+    if not greedy:  # completion j of the prompt at position i: the seed base + G i + j
         seeds = [derive_seed(cfg.seed, "rollout") + n * i for i in positions]
     samples = []
     for out in generate(llm, env, prompt_ids, params, seeds):
         samples += [add_turn(c) for c in out.outputs]
-    sample_prompts = [prompt_ids[k // n] for k in range(len(samples))]
-    return samples, tool_turns(llm, cfg, env, tokenizer, sample_prompts, samples, params, positions)
+    sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
+    counts = tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
+    return samples, counts
 
 
 # ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
 def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length) -> torch.Tensor:
     """Rewards [N, R] of every function on every completion, decoded here; None (unscored): NaN."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    columns = {k: [rows[i // G][k] for i in range(len(rows) * G)] for k in rows[0]}  # G times each
+    # each dataset column, repeated for the G completions of its row; reward functions get them
+    columns = {k: [rows[i // G][k] for i in range(len(rows) * G)] for k in rows[0]}
     prompts = columns.pop("prompt")
     columns.pop("prompt_ids", None)
     columns.update(completion_ids=completion_ids, max_completion_length=max_completion_length)
@@ -319,7 +348,8 @@ def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length)
 
 
 def nanstd(grouped: torch.Tensor) -> torch.Tensor:
-    """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values (NaN if < 2)."""
+    """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values. A row of one value
+    gives NaN (0 / 0), a row of none -0.0: neither passes a test `std > 0`."""
     squares = (grouped - grouped.nanmean(1, keepdim=True)).pow(2).nansum(1, keepdim=True)
     return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()
 
@@ -328,7 +358,8 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> 
     """rewards [N] (G consecutive values per group) -> advantages [N]:
         A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's, the batch's, or 1 (none)
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
-    function returned None) stay out of the mean and std, with A = 0, as in TRL."""
+    function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
+    it once dynamic sampling has picked the groups (and gathers every rank's rewards for "batch")."""
     grouped = rewards.view(-1, G)  # [P, G]
     advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
@@ -344,220 +375,134 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 
 
 def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts):
-    """The rollout as train_step takes it: DAPO's dynamic sampling, advantages, masks [N, T]."""
+    """The rollout as train_step takes it: DAPO's dynamic sampling picks the groups, then the
+    advantages, and the masks [N, T] (T: the longest completion) that say which tokens learn."""
     G = cfg.num_generations
-    # DAPO keeps groups where one reward varies, not the sum; < 2 scored (std NaN) is not varied
+
+    # Dynamic sampling (DAPO) keeps the groups whose criterion reward varies (one function, not
+    # the weighted sum). nanstd is NaN or -0.0 for a group with fewer than 2 scored completions,
+    # and NaN > 0 is False: such a group does not vary.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
-    flat = ~(nanstd(rewards_per_func[:, criterion].view(-1, G)) > 1e-8).squeeze(1)  # [P]
-    # what was generated (the model's tokens, not tool results), before dynamic sampling
-    stats = {"generated_groups": len(rows), "varied_groups": int((~flat).sum()),
+    varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [P]
+    # what was generated (the model's tokens, not tool results), before any group is dropped
+    stats = {"generated_groups": len(rows), "varied_groups": int(varied.sum()),
              "generated_tokens": sum(sum(s.model_mask) for s in samples), **tool_counts}
-    # the sequences trained: not dynamic sampling's uninformative groups that filled a short step
-    trained = torch.ones(len(samples), dtype=torch.bool)  # [N]
-    if cfg.dynamic_sampling_factor > 1:  # a step's worth of groups, the informative ones first
-        groups = torch.argsort(flat.int(), stable=True)[:cfg.completions_per_rank // G]
-        keep = (groups[:, None] * G + torch.arange(G)).flatten()  # their completions
-        rows = [rows[g] for g in groups.tolist()]
-        samples = [samples[i] for i in keep.tolist()]
-        rewards_per_func = rewards_per_func[keep]
-        trained = ~flat[groups].repeat_interleave(G)  # [N]
-    rewards = (rewards_per_func * reward_weights).nansum(1)  # [N]
-    # unscorable (every function returned None): NaN, which compute_advantages leaves out (TRL)
-    rewards[rewards_per_func.isnan().all(1)] = math.nan
+
+    # A step trains on completions_per_rank // G groups: the varied ones first, in order, then
+    # "filler" groups that did not vary, which fill the batch but get no loss and no count.
+    groups = list(range(len(rows)))
+    if cfg.dynamic_sampling_factor > 1:
+        varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
+        groups = varied_first[:cfg.completions_per_rank // G]
+    picked = torch.tensor([g * G + j for g in groups for j in range(G)])  # their samples [N]
+    batch_rows = [rows[g] for g in groups]
+    batch_samples = [samples[i] for i in picked.tolist()]
+    batch_rewards = rewards_per_func[picked]  # [N, R]
+    filler = torch.zeros(len(picked), dtype=torch.bool)  # [N]
+    if cfg.dynamic_sampling_factor > 1:
+        filler = ~varied[groups].repeat_interleave(G)
+
+    # the weighted reward; a completion no function scored is NaN, left out by compute_advantages
+    rewards = (batch_rewards * reward_weights).nansum(1)  # [N]
+    rewards[batch_rewards.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
-    if cfg.scale_rewards == "batch" and env.world > 1:  # the batch std spans every rank's rewards
+
+    # group-relative advantages; the batch std spans every rank's rewards
+    if cfg.scale_rewards == "batch" and env.world > 1:
         everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
         dist.all_gather(everyone, rewards.to(env.device))
         advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch")
         advantages = advantages.view(env.world, -1)[env.rank]  # [N]
     else:
         advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
-    prompt_ids = [rows[k // G]["prompt_ids"] for k in range(len(samples))]  # [N]
-    # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results
-    model_mask = nn.utils.rnn.pad_sequence([torch.tensor(s.model_mask) for s in samples],
+
+    # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results and
+    # after the end. loss_mask: the tokens that learn (no filler, no truncated one if masked).
+    model_mask = nn.utils.rnn.pad_sequence([torch.tensor(s.model_mask) for s in batch_samples],
                                            batch_first=True)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in samples])
-    loss_mask = model_mask.float() * trained.float().unsqueeze(1)  # [N, T]
+    truncated = [is_truncated(s.token_ids, s.finish_reason, end_ids) for s in batch_samples]
+    truncated = torch.tensor(truncated)  # [N]
+    loss_mask = model_mask.float() * (~filler).float().unsqueeze(1)  # [N, T]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
+
+    # vLLM's logprob of each token it sampled, for the IS correction (and the canary)
     vllm_logps = None
-    if cfg.vllm_importance_sampling_correction:  # vLLM's logprob of each token it sampled
+    if cfg.vllm_importance_sampling_correction:
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
-        vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in samples])
-    stats.update(rewards=rewards, rewards_per_func=rewards_per_func, advantages=advantages,
+        vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in batch_samples])
+
+    sample_prompt_ids = [batch_rows[k // G]["prompt_ids"] for k in range(len(batch_samples))]
+    stats.update(rewards=rewards, rewards_per_func=batch_rewards, advantages=advantages,
                  zero_std=zero_std.float(), lengths=model_mask.sum(1).float(),
-                 truncated=truncated.float(), prompt_tokens=sum(map(len, prompt_ids)))
-    return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=[s.token_ids for s in samples],
-                           model_mask=model_mask, loss_mask=loss_mask, trained=trained,
-                           advantages=advantages, vllm_logps=vllm_logps, old_logps=None,
-                           ref_logps=None, rows=rows, stats=stats)
+                 truncated=truncated.float(), prompt_tokens=sum(map(len, sample_prompt_ids)))
+    return SimpleNamespace(
+        rows=batch_rows,  # [P]
+        sample_prompt_ids=sample_prompt_ids,  # [N]: each sample's prompt
+        completion_ids=[s.token_ids for s in batch_samples],  # [N]
+        model_mask=model_mask,  # [N, T]
+        loss_mask=loss_mask,  # [N, T]
+        filler=filler,  # [N]
+        advantages=advantages,  # [N]
+        vllm_logps=vllm_logps,  # [N, T], or None
+        # [N, T] no-grad logprobs, filled by the loop's logprobs phase where they are needed:
+        old_logps=None,  # the policy's before the update (num_iterations > 1, --lora_dropout)
+        ref_logps=None,  # the reference's (--beta > 0)
+        stats=stats,  # what the metrics log (reduce_metrics)
+    )
 
 
-# ===== 4. Per-token logprobs and the loss: the math that papers change ============================
-def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
-    """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py)."""
-    sorted_logits, order = logits.sort(dim=-1)  # [n, V] ascending
-    if top_k > 0:  # below the k-th largest value (ties with it stay)
-        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [n, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
-    if top_p < 1:  # mass from the bottom <= 1 - top_p (after top-k); the top token stays
-        below = sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p  # [n, V - 1]
-        sorted_logits[:, :-1].masked_fill_(below, -math.inf)
-    return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
-
-
-def kept_tokens(z, targets, temperature, top_k, top_p):
-    """[n, V] bool: the sampler's kept set and the target (bf16 may move it out); None: no cut."""
-    if top_k == 0 and top_p == 1:
-        return None
-    keep = top_k_top_p_mask(z.float() / temperature, top_k, top_p)
-    return keep.scatter_(-1, targets[:, None], True)
-
-
-def logit_stats(z, targets, temperature, keep=None):
-    """z [n, V] -> (logp of the targets, entropy, logsumexp over keep (None: all), logsumexp)."""
-    z = z.float() / temperature  # [n, V]
-    lse = torch.logsumexp(z, dim=-1)  # [n]
-    # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's
-    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [n]
-    lse_kept = lse
-    if keep is not None:
-        lse_kept = torch.logsumexp(z.masked_fill(~keep, -math.inf), dim=-1)  # [n]
-    logps = z.gather(-1, targets[:, None]).squeeze(-1) - lse_kept  # [n]
-    return logps, entropy, lse_kept, lse
-
-
-def logit_grads(z, targets, temperature, keep, lse_kept, lse, entropy, grad_logps, grad_entropy):
-    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH ([n] each):
-        d logp / dz = onehot(target) - p_kept      d H / dz = -p (log p + H)      (/ temperature)
-    p: the full distribution; p_kept: the one renormalised over the kept set."""
-    z32 = z.float() / temperature  # [n, V]
-    log_p = z32 - lse[:, None]  # [n, V]
-    p = log_p.exp()
-    p_kept = p
-    if keep is not None:
-        p_kept = torch.exp(z32 - lse_kept[:, None]).masked_fill(~keep, 0.0)
-    dz = -grad_logps[:, None] * p_kept - grad_entropy[:, None] * p * (log_p + entropy[:, None])
-    dz = dz.scatter_add(-1, targets[:, None], grad_logps[:, None])
-    return (dz / temperature).to(z.dtype)
-
-
-# On CUDA: one or two fused kernels over the chunk's bf16 logits, not eager passes over fp32 copies.
-COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
-
-
-def compiled(device: torch.device) -> bool:
-    """Compiled kernels on CUDA, unless --full_determinism asked for torch's deterministic ones."""
-    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
-
-
-class TokenLogprobs(torch.autograd.Function):
-    """Logprobs and entropies of hidden [n, H]'s targets (weight: lm_head [V, H]), a chunk at a
-    time: no [n, V] logits at once. Backward recomputes each chunk's logits for logit_grads."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
-        # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
-        on = torch.is_autocast_enabled(hidden.device.type)
-        dtype = torch.get_autocast_dtype(hidden.device.type) if on else weight.dtype
-        stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
-        w = weight.to(dtype)  # [V, H]
-        out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
-        for start in range(0, len(hidden), chunk_size):
-            chunk = slice(start, start + chunk_size)
-            z = F.linear(hidden[chunk].to(dtype), w)  # [c, V]
-            keep = kept_tokens(z, targets[chunk], temperature, top_k, top_p)
-            for buffer, value in zip(out, stats(z, targets[chunk], temperature, keep)):
-                buffer[chunk] = value
-        logps, entropy, lse_kept, lse = out
-        ctx.save_for_backward(hidden, weight, targets, lse_kept, lse, entropy)
-        ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, targets, lse_kept, lse, entropy = ctx.saved_tensors
-        temperature, top_k, top_p, chunk_size, dtype = ctx.args
-        grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
-        w = weight.to(dtype)  # [V, H]
-        grad_hidden = torch.empty_like(hidden)  # [n, H]
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
-        for start in range(0, len(hidden), chunk_size):
-            c = slice(start, start + chunk_size)
-            h = hidden[c].to(dtype)  # [c, H]
-            z = F.linear(h, w)  # [c, V]
-            keep = kept_tokens(z, targets[c], temperature, top_k, top_p)
-            dz = grads(z, targets[c], temperature, keep, lse_kept[c], lse[c], entropy[c],
-                       grad_logps[c], grad_entropy[c])  # [c, V]
-            grad_hidden[c] = dz @ w
-            grad_weight += (dz.T @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
-
-
-class Policy(nn.Module):
-    """HF causal LM -> logps and entropies of packed tokens (DDP's hooks need this forward)."""
-
-    def __init__(self, lm: nn.Module, entropy_grad=False):
-        super().__init__()
-        self.lm = lm
-        self.entropy_grad = entropy_grad  # the entropy gets a gradient (--entropy_coef)
-        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))  # <= 1 GiB of logits
-
-    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, model_mask,
-                temperature, top_k=0, top_p=1.0):
-        """pack's outputs, model_mask [B, T] -> logps (over the kept set), entropies: [B, T]."""
-        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                    use_cache=False, cu_seq_lens_q=cu_seqlens,
-                                    cu_seq_lens_k=cu_seqlens, max_length_q=longest,
-                                    max_length_k=longest)
-        hidden = out.last_hidden_state[0]  # [L, H]: the state at column j predicts token j + 1
-        weight = self.lm.get_output_embeddings().weight
-        targets = input_ids[0, completion_index]  # [n]
-        logps, entropy = TokenLogprobs.apply(hidden[completion_index - 1], weight, targets,
-                                             temperature, top_k, top_p, self.chunk_size)  # [n]
-        if not self.entropy_grad:  # logged, or ranking tokens (--top_entropy_quantile)
-            entropy = entropy.detach()
-        # unpack: the ones of model_mask in row-major order are the scored tokens in packed order
-        return tuple(x.new_zeros(model_mask.shape).masked_scatter(model_mask.bool(), x)
-                     for x in (logps, entropy))
-
-
-# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's), read by
-# grpo_loss and loss_normaliser. N: the global batch's trained sequences.
+# ===== 4. The loss: the math that papers change; then the per-token logprobs it needs =============
+# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's). N: the global
+# batch's sequences (every rank's, fillers left out). loss_normaliser tells how this sets the scale.
 #   "sequences"   sum_i [ sum_t l m / sum_t m ] / N      each sequence weighs the same   grpo, sapo
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
 #   "constant"    sum_it l m / (N max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
 #   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
+# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, and a MEANS
+# row for any new statistic it logs (test_normalisers_cover_every_loss_type checks the first two).
 NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
                "dr_grpo": "constant", "bnpo": "micro_batch"}
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
 
 
 def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
-    """(grpo_loss's global_count, each micro-batch loss's scale): each micro-batch divides its sum
-    by the WHOLE global batch's loss tokens or trained sequences (all ranks'), so gradients sum to
-    the batch's whatever the cuts; DDP and FSDP2 average over ranks (/ world): x world undoes that.
-    bnpo: no global count; each micro-batch's mean weighs 1 / num_micro_batches; ranks average."""
+    """(global_count, loss_scale): how the loss of one step is scaled, the whole story here.
+
+    Each micro-batch's grpo_loss divides its sum of l_t m_t by global_count, the WHOLE global
+    batch's loss tokens or non-filler sequences (every rank's, one all_reduce), so that the
+    micro-batch losses add up to the global batch's loss wherever the batch was cut. DDP and FSDP2
+    then average the gradients over ranks (/ world); loss_scale = world undoes that. bnpo has no
+    global count: each micro-batch is a mean of its own tokens, weighted 1 / num_micro_batches, and
+    the ranks' average stays: a mean of means.
+    The logged loss: train_step sums loss x loss_scale over the micro-batches, reduce_metrics over
+    the ranks / world: the global batch's loss (bnpo: its mean over micro-batches and ranks)."""
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":
         return None, 1.0 / num_micro_batches
-    count = (batch.loss_mask if normaliser == "tokens" else batch.trained).sum().to(env.device)
+    if normaliser == "tokens":
+        count = batch.loss_mask.sum()
+    else:
+        count = (~batch.filler).sum()
+    count = count.to(env.device)
     if env.world > 1:
         dist.all_reduce(count)
-    return max(count.item(), 1), float(env.world)  # 1: no trained token anywhere, loss 0 (not 0/0)
+    # at least 1: with no trained token on any rank (fillers alone) the loss is 0, not 0 / 0
+    return max(count.item(), 1), float(env.world)
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
-              keep=1.0, global_count=None):
+              entropy_mask=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
-    logps, old_logps, ref_logps, mask (m), keep: [B, T]; advantages: [B]; is_weights w: [B, 1 or T]
+    logps, old_logps, ref_logps, mask (m), entropy_mask (e): [B, T]; advantages: [B];
+    is_weights (w): [B, 1 or T]
         r_t  = exp(logp_t - old_logp_t)     (== 1 with num_iterations 1, no dropout: train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (sequence level): one
                ratio per sequence, clipped whole and broadcast to its tokens
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t
         KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t    (k3; r_t: bias correction)
-        e_t  = keep: [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
+        e_t  = [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
     cispo and sapo (TRL 1.16's) take the place of the min(...) term:
         cispo    -sg(min(r_t, cispo_cap)) A logp_t          sg: no gradient (MiniMax-M1)
         sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A        tau: sapo_temperature_pos if A > 0
@@ -568,41 +513,53 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     cispo_cap = cfg.epsilon_high or CISPO_CAP
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
+
+    # the ratio of the policy to the one that sampled (GSPO: one per sequence)
     log_ratio = logps - old_logps  # [B, T]
-    if cfg.importance_sampling_level == "sequence":  # GSPO: the geometric mean of the token ratios
+    if cfg.importance_sampling_level == "sequence":  # the geometric mean of the token ratios
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
-    # cispo: every token keeps a gradient, through logp; sapo: a gate that fades where a clip cuts
-    if cfg.loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * keep  # [B, T]
-    elif cfg.loss_type == "sapo":
+
+    # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
+    # clip acts: the term is -A (its gradient: -A grad logp). Clips bite from the second iteration.
+    if cfg.loss_type == "cispo":  # every token keeps a gradient, through logp
+        per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
+    elif cfg.loss_type == "sapo":  # a gate that fades where a clip would cut
         tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, 1]
-        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * keep  # [B, T] or [B, 1]
+        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * entropy_mask
     else:
         clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv) * keep  # [B, T] or [B, 1]
+        per_token = -torch.min(ratio * adv, clipped * adv) * entropy_mask  # [B, T] or [B, 1]
     per_token = per_token * is_weights
+
+    # the KL penalty to the reference (k3)
     if cfg.beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
         if cfg.use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + cfg.beta * kl
+
+    # normalise: NORMALISERS' table
     normaliser = NORMALISERS[cfg.loss_type]
-    sequences = logps.shape[0] if global_count is None else global_count
-    total = per_token * mask  # [B, T]
-    if normaliser == "micro_batch" or (global_count is None and normaliser == "tokens"):
-        loss = total.sum() / mask.sum().clamp(min=1)
-    elif normaliser == "tokens":
-        loss = total.sum() / global_count
+    masked = per_token * mask  # [B, T]
+    if normaliser == "tokens":
+        num_tokens = mask.sum().clamp(min=1) if global_count is None else global_count
+        loss = masked.sum() / num_tokens
+    elif normaliser == "micro_batch":
+        loss = masked.sum() / mask.sum().clamp(min=1)
     elif normaliser == "sequences":
-        loss = (total.sum(1) / mask.sum(1).clamp(min=1)).sum() / sequences
-    else:
-        loss = total.sum() / (sequences * cfg.max_completion_length)
+        num_sequences = logps.shape[0] if global_count is None else global_count
+        loss = (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
+    else:  # "constant"
+        num_sequences = logps.shape[0] if global_count is None else global_count
+        loss = masked.sum() / (num_sequences * cfg.max_completion_length)
+
+    # where a clip cuts the gradient: the ratio outside the range on the side the advantage pushes
+    # (cispo: where its cap acts, only when A > 0; sapo: where a clip would)
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-        # where the clip cuts the gradient (cispo: where its cap acts; sapo: where a clip would)
         low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (cfg.loss_type != "cispo")
         high = (ratio > (cispo_cap if cfg.loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
         stats = {
@@ -640,7 +597,150 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
     return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
+# ---- 4b. Per-token logprobs: what the loss needs from the policy, without [L, V] logits at once ----
+class Policy(nn.Module):
+    """HF causal LM -> the logprobs and entropies of packed completion tokens (pack makes the
+    inputs). What it computes, for each scored token t of a sequence, in one readable line:
+        logp_t = log_softmax(logits_{t-1} / temperature)[token_t]     (logits: lm_head(hidden))
+    (with --top_k / --top_p: the log_softmax over the tokens vLLM's sampler could draw). Written so,
+    the [L, V] fp32 logits of a micro-batch would not fit (at 1.5B: 9,664 x 151,936 x 4 B = 5.9
+    GB); TokenLogprobs below computes the same a chunk of rows at a time."""
+
+    def __init__(self, lm: nn.Module, entropy_grad=False):
+        super().__init__()
+        self.lm = lm
+        self.entropy_grad = entropy_grad  # the entropy gets a gradient (--entropy_coef)
+        # the rows of a chunk: 1 GiB for each [c, V] fp32 tensor (the eager kernels make several)
+        self.chunk_size = max(1, (1 << 30) // (4 * lm.config.vocab_size))
+
+    def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, model_mask,
+                temperature, top_k=0, top_p=1.0):
+        """pack's outputs, model_mask [B, T] -> logps (over the allowed set), entropies: [B, T]."""
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                    use_cache=False, cu_seq_lens_q=cu_seqlens,
+                                    cu_seq_lens_k=cu_seqlens, max_length_q=longest,
+                                    max_length_k=longest)
+        hidden = out.last_hidden_state[0]  # [L, H]: the state at column j predicts token j + 1
+        weight = self.lm.get_output_embeddings().weight
+        targets = input_ids[0, completion_index]  # [n]
+        logps, entropy = TokenLogprobs.apply(hidden[completion_index - 1], weight, targets,
+                                             temperature, top_k, top_p, self.chunk_size)  # [n]
+        if not self.entropy_grad:  # logged, or ranking tokens (--top_entropy_quantile)
+            entropy = entropy.detach()
+        # unpack: the ones of model_mask in row-major order are the scored tokens in packed order
+        return tuple(x.new_zeros(model_mask.shape).masked_scatter(model_mask.bool(), x)
+                     for x in (logps, entropy))
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """Logprobs and entropies of hidden [n, H]'s targets (weight: lm_head [V, H]), a chunk at a
+    time: no [n, V] logits at once. Backward recomputes each chunk's logits for logit_grads."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
+        # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
+        on = torch.is_autocast_enabled(hidden.device.type)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if on else weight.dtype
+        stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
+        w = weight.to(dtype)  # [V, H]
+        out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
+        for start in range(0, len(hidden), chunk_size):
+            chunk = slice(start, start + chunk_size)
+            z = F.linear(hidden[chunk].to(dtype), w)  # [c, V]
+            allowed = allowed_tokens(z, targets[chunk], temperature, top_k, top_p)
+            for buffer, value in zip(out, stats(z, targets[chunk], temperature, allowed)):
+                buffer[chunk] = value
+        logps, entropy, lse_allowed, lse = out
+        ctx.save_for_backward(hidden, weight, targets, lse_allowed, lse, entropy)
+        ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, targets, lse_allowed, lse, entropy = ctx.saved_tensors
+        temperature, top_k, top_p, chunk_size, dtype = ctx.args
+        grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
+        w = weight.to(dtype)  # [V, H]
+        grad_hidden = torch.empty_like(hidden)  # [n, H]
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
+        for start in range(0, len(hidden), chunk_size):
+            c = slice(start, start + chunk_size)
+            h = hidden[c].to(dtype)  # [c, H]
+            z = F.linear(h, w)  # [c, V]
+            allowed = allowed_tokens(z, targets[c], temperature, top_k, top_p)
+            dz = grads(z, targets[c], temperature, allowed, lse_allowed[c], lse[c], entropy[c],
+                       grad_logps[c], grad_entropy[c])  # [c, V]
+            grad_hidden[c] = dz @ w
+            grad_weight += (dz.T @ h).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def logit_stats(z, targets, temperature, allowed=None):
+    """z [n, V] -> (logp of the targets, entropy, logsumexp over allowed (None: all), logsumexp)."""
+    z = z.float() / temperature  # [n, V]
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [n]
+    lse_allowed = lse
+    if allowed is not None:
+        lse_allowed = torch.logsumexp(z.masked_fill(~allowed, -math.inf), dim=-1)  # [n]
+    logps = z.gather(-1, targets[:, None]).squeeze(-1) - lse_allowed  # [n]
+    return logps, entropy, lse_allowed, lse
+
+
+def logit_grads(z, targets, temperature, allowed, lse_allowed, lse, entropy, grad_logps,
+                grad_entropy):
+    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH ([n] each):
+        d logp / dz = onehot(target) - p_allowed      d H / dz = -p (log p + H)      (/ temperature)
+    p: the full distribution; p_allowed: the one renormalised over the allowed set."""
+    z32 = z.float() / temperature  # [n, V]
+    log_p = z32 - lse[:, None]  # [n, V]
+    p = log_p.exp()
+    p_allowed = p
+    if allowed is not None:
+        p_allowed = torch.exp(z32 - lse_allowed[:, None]).masked_fill(~allowed, 0.0)
+    dz = -grad_logps[:, None] * p_allowed - grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    dz = dz.scatter_add(-1, targets[:, None], grad_logps[:, None])
+    return (dz / temperature).to(z.dtype)
+
+
+# On CUDA: one or two fused kernels over the chunk's bf16 logits, not eager passes over fp32 copies.
+COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
+
+
+def compiled(device: torch.device) -> bool:
+    """Compiled kernels on CUDA, unless --full_determinism asked for torch's deterministic ones."""
+    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+
+
+def allowed_tokens(z, targets, temperature, top_k, top_p):
+    """[n, V] bool: the tokens vLLM's sampler could draw under --top_k / --top_p, and the target
+    (bf16 may move it out of the set); None where nothing is cut."""
+    if top_k == 0 and top_p == 1:
+        return None
+    allowed = top_k_top_p_mask(z.float() / temperature, top_k, top_p)
+    return allowed.scatter_(-1, targets[:, None], True)
+
+
+def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
+    """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py)."""
+    sorted_logits, order = logits.sort(dim=-1)  # [n, V] ascending
+    if top_k > 0:  # below the k-th largest value (ties with it stay)
+        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [n, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    if top_p < 1:  # mass from the bottom <= 1 - top_p (after top-k); the top token stays
+        below = sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p  # [n, V - 1]
+        sorted_logits[:, :-1].masked_fill_(below, -math.inf)
+    return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
+
+
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
+# Micro-batches, in the order a step makes them: split_micro_batches cuts the batch, in order, into
+# runs of sequences of at most the token budget (the memory plan's); plan_micro_batches makes every
+# rank cut as many; micro_batch takes one run's tensors and pack lays its sequences end to end in
+# one row (no padding; positions restart, the attention kernel sees each sequence alone);
+# Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
+# where the cuts fall (loss_normaliser).
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
     """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches."""
     cuts = []
@@ -649,6 +749,7 @@ def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) ->
         if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
             cuts.append(range(start, i))
             start = i
+    # more cuts where another rank needs more: halve the largest (in tokens) until there are enough
     while len(cuts) < num_micro_batches:
         largest = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
         k = cuts.index(largest)
@@ -659,7 +760,7 @@ def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) ->
 
 def plan_micro_batches(batch, budget: int, env) -> list[range]:
     """split_micro_batches, as many on every rank (FSDP2 talks in each: unequal counts hang)."""
-    lengths = [len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)]
+    lengths = [len(p) + len(c) for p, c in zip(batch.sample_prompt_ids, batch.completion_ids)]
     num_micro_batches = torch.tensor(len(split_micro_batches(lengths, budget)), device=env.device)
     if env.world > 1:
         dist.all_reduce(num_micro_batches, op=dist.ReduceOp.MAX)
@@ -667,7 +768,8 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, device="cpu"):
-    """Policy's packed inputs: the sequences in ONE row, no padding, positions from 0 in each."""
+    """Policy's packed inputs: the sequences in ONE row, no padding, positions from 0 in each.
+    completion_index: the packed columns of the scored tokens (model_mask 1), in row-major order."""
     ids = []
     positions = []
     starts = []
@@ -689,11 +791,13 @@ def micro_batch(batch, seqs: range, device):
     """Sequences `seqs` on device: Policy's packed inputs, [b, T] tensors cut to their longest."""
     seqs = slice(seqs.start, seqs.stop)
     T = max(1, max(map(len, batch.completion_ids[seqs])))
+
     def take(x):  # [N, T_max] -> [b, T]
         return None if x is None else x[seqs, :T].to(device)
+
     model_mask = batch.model_mask[seqs, :T]  # on the host: pack reads it
     return SimpleNamespace(
-        packed=pack(batch.prompt_ids[seqs], batch.completion_ids[seqs], model_mask, device),
+        packed=pack(batch.sample_prompt_ids[seqs], batch.completion_ids[seqs], model_mask, device),
         model_mask=model_mask.to(device),
         loss_mask=take(batch.loss_mask),
         advantages=batch.advantages[seqs].to(device),
@@ -707,9 +811,10 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
     """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones."""
     cuts = plan_micro_batches(batch, budget, env)
     micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
+    logps = []  # [b, T] each
     with torch.no_grad(), autocast(env):
-        logps = [model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
-                 for mb in micro_batches]  # [b, T] each
+        for mb in micro_batches:
+            logps.append(model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0])
     reshard(model)
     out = torch.zeros(batch.model_mask.shape)
     for seqs, lp in zip(cuts, logps):  # to the host once every forward is queued
@@ -718,63 +823,67 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
 
 
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
-    """One AdamW step on this rank's batch: the logged sums, grad_norm, skipped and canary_gap."""
+    """One AdamW step on this rank's batch. Returns the step's logged sums (micro_batch_sums),
+    grad_norm, skipped (1: a non-finite step, no update) and the canary's sampled_gap/rank_max."""
     cuts = plan_micro_batches(batch, budget, env)
     global_count, loss_scale = loss_normaliser(cfg.loss_type, batch, env, len(cuts))
-    # The logged sums stay tensors: a float() per stat and micro-batch would stall the GPU.
-    sums = {}
-    def add(name, value):
-        sums[name] = sums.get(name, 0.0) + value.detach().float()
+    sums = {}  # the logged sums, tensors until the end: a float() each would stall the GPU
     with timed(ledger, "fwd_bwd", env):
         # host work and copies first; then the GPU runs the micro-batches back to back
         micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]
         for i, mb in enumerate(micro_batches):
-            # DDP all-reduces in the last backward only; FSDP2 in each (unsharded: a model more)
-            sync = not isinstance(policy, DDP) or i == len(micro_batches) - 1
-            with nullcontext() if sync else policy.no_sync():
+            # DDP all-reduces the gradients in the last backward only; FSDP2 reduce-scatters in each
+            is_last = i == len(micro_batches) - 1
+            no_sync = isinstance(policy, DDP) and not is_last
+            with policy.no_sync() if no_sync else nullcontext():
+
+                # forward: the logprob and entropy of every completion token
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.model_mask, cfg.temperature,
                                             cfg.top_k, cfg.top_p)  # [b, T] each
-                # Old logprobs, the sampling policy's. num_iterations 1: this forward's, detached
-                # (the engine sampled these weights): ratio = 1. > 1, LoRA dropout: no_grad_logps.
-                old = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
-                is_weights = 1.0  # w = 1: no correction
+
+                # Old logprobs: those of the policy that sampled. With num_iterations 1 these
+                # weights sampled the batch (the engine got them at the last push): this very
+                # forward's, detached, so the ratio is 1 and no extra pass is needed. Otherwise
+                # the loop's logprobs phase froze them before the first iteration (no_grad_logps).
+                old_logps = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
+
+                # IS weights: vLLM sampled with its own kernels; w = 1 without the correction
+                is_weights = 1.0
                 if cfg.vllm_importance_sampling_correction:
-                    is_weights = vllm_importance_weights(old, mb.vllm_logps, mb.model_mask,
+                    is_weights = vllm_importance_weights(old_logps, mb.vllm_logps, mb.model_mask,
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
-                keep = torch.ones_like(entropy)  # [b, T]: the tokens that learn (the 80/20 rule)
+
+                # the entropy mask: the tokens that learn (the 80/20 rule: the top rho by entropy)
+                entropy_mask = torch.ones_like(entropy)  # [b, T]
                 if cfg.top_entropy_quantile < 1:
                     q = 1 - cfg.top_entropy_quantile
                     threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
-                    keep = (entropy >= threshold).float()
-                loss, loss_stats = grpo_loss(logps, old, mb.advantages, mb.loss_mask, cfg,
-                                             mb.ref_logps, is_weights, keep, global_count)
-                # TRL's entropy bonus, outside the normaliser: c x learning tokens' mean entropy / M
-                learning = keep * mb.loss_mask  # [b, T]
+                    entropy_mask = (entropy >= threshold).float()
+
+                # the loss, and TRL's entropy bonus: c x the learning tokens' mean entropy, outside
+                # the normaliser, each of the M micro-batches weighing 1 / M
+                loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
+                                             mb.ref_logps, is_weights, entropy_mask, global_count)
+                learning = entropy_mask * mb.loss_mask  # [b, T]
                 mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
                 bonus = cfg.entropy_coef * mean_entropy / len(cuts)
+
+                # backward
                 (loss * loss_scale - bonus).backward()
-            # plain sums; the token means of loss_stats weighted by the micro-batch's loss tokens
-            loss_tokens = mb.loss_mask.sum()
-            add("loss", loss * loss_scale)
-            for k, v in loss_stats.items():
-                add(k, v * loss_tokens)
-            add("entropy", (entropy * mb.loss_mask).sum())
-            if cfg.vllm_importance_sampling_correction:
-                add("logprob_gap", ((old - mb.vllm_logps).abs() * mb.model_mask).nansum())
-                add("gap_tokens", (mb.model_mask * ~mb.vllm_logps.isnan()).sum())
-                weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
-                add("is_weight", (weights * mb.model_mask).sum())
-                add("is_masked", ((weights == 0).float() * mb.model_mask).sum())
-            add("tokens", loss_tokens)
-            add("completion_tokens", mb.model_mask.sum())
+
+            mb_sums = micro_batch_sums(mb, loss * loss_scale, loss_stats, entropy, old_logps,
+                                       is_weights)
+            for name, value in mb_sums.items():
+                sums[name] = sums.get(name, 0.0) + value.detach().float()
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
-    # The canary, before the update: the trainer must score vLLM's sampled tokens as vLLM did.
-    if "logprob_gap" in stats:
-        gap = stats["logprob_gap"] / max(stats["gap_tokens"], 1)  # NaN: a non-finite step
-        gap = 0.0 if math.isnan(gap) else gap
-        stats["canary_gap"] = check_gap(gap, env, step, "the tokens vLLM sampled")
+
+    # The canary, before the update: the trainer must score the tokens vLLM sampled as vLLM did.
+    if "sampled_gap" in stats:
+        gap = stats["sampled_gap"] / max(stats["gap_tokens"], 1)
+        stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
+
     with timed(ledger, "optimizer", env):
         # ||g|| over the whole model (FSDP2: reduced over ranks, on the GPU though CPU-offloaded)
         params = [p for p in policy.parameters() if p.grad is not None]
@@ -782,11 +891,13 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         grad_norm = full_tensor(grad_norm, torch.float32, env.device)
         if cfg.max_grad_norm > 0:  # g *= min(1, max / ||g||)
             torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
-        # a NaN/inf loss makes the gradient non-finite; the norm is global: all ranks agree
+
+        # a NaN/inf loss makes the gradient non-finite: no update (the norm is global: all ranks
+        # agree); the rate still follows the step count, as a resume sets it
         finite = bool(torch.isfinite(grad_norm))
         if finite:
             optimizer.step()
-        scheduler.step()  # the rate follows the step count, as a resume sets it
+        scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     stats["grad_norm"] = grad_norm.item()
     stats["skipped"] = float(not finite)
@@ -806,7 +917,8 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     """(HF name, full tensor) per parameter, one order on every rank; LoRA: W + (alpha / r) B A.
-    Made a bucket ahead, handed over and dropped one by one: a lazy consumer holds a bucket more."""
+    Made a bucket ahead, handed over and dropped one by one: a lazy consumer holds a bucket more.
+    Under FSDP2 each full_tensor is a collective: every rank must walk the whole generator."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     bucket = []
     for i, (name, p) in enumerate(params):
@@ -817,7 +929,8 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
             B = full_tensor(layer.lora_B["default"].weight, torch.float32, device)  # [out, r]
             tensor = (tensor.float() + layer.scaling["default"] * (B @ A)).to(dtype)
         # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
-        bucket.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
+        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        bucket.append((hf_name, tensor))
         if sum(t.nbytes for _, t in bucket) >= bucket_bytes or i == len(params) - 1:
             while bucket:
                 yield bucket.pop(0)
@@ -826,7 +939,7 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
     """The trainer's weights into the engine, which fuses and shards them; returns the bytes."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
-    if env.push_in_place:  # CUDA: straight into the model's weight loaders
+    if env.push_via == "load_weights":  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
     else:  # CPU: the backend pre-packs linear layers; reload_weights re-runs that processing...
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -838,22 +951,25 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
     return params * env.dtype.itemsize
 
 
-def parity_gap(llm, policy, probe_ids: list[int], env) -> float:
-    """Mean |logp_trainer - logp_vllm| over the probe's tokens."""
+def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
+    """The probe: mean |logp_trainer - logp_vllm| over a fixed sequence's tokens (vLLM's prompt
+    logprobs; the one token it generates is greedy, so no generator is drawn from)."""
     from vllm import SamplingParams
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     out = llm.generate([{"prompt_token_ids": probe_ids}], params, use_tqdm=False)[0]
-    vllm_lp = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0]
+    vllm_logps = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0]
     scored = torch.ones(1, len(probe_ids) - 1)  # every token after the first
     packed = pack([probe_ids[:1]], [probe_ids[1:]], scored, env.device)
     with torch.no_grad(), autocast(env):
-        trainer_lp, _ = policy(*packed, scored.to(env.device), 1.0)
+        trainer_logps, _ = policy(*packed, scored.to(env.device), 1.0)
     reshard(policy)
     llm.reset_prefix_cache()  # the next rollout's prefix hits: its own blocks only (exact resumes)
-    return (trainer_lp[0].float().cpu() - torch.tensor(vllm_lp)).abs().mean().item()
+    return (trainer_logps[0].float().cpu() - torch.tensor(vllm_logps)).abs().mean().item()
 
 
-# The mean |logp gap| allowed. Healthy: ~1e-5 fp32, 0.04-0.17 bf16; a wake without a push: 7.1.
+# The mean |logp gap| allowed. Measured: ~1e-5 in fp32 and 0.04-0.17 in bf16 when the engine holds the
+# trainer's weights; 7.1 after a level-2 wake without a push. So the check catches an engine that never
+# got the weights or a name that missed them; in bf16 an engine one step behind passes it.
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 
@@ -865,34 +981,45 @@ def check_gap(gap: float, env, step, what: str) -> float:
     tolerance = PARITY_TOLERANCE[env.dtype]
     if gap > tolerance:
         raise RuntimeError(f"step {step}: vLLM and the trainer disagree on {what}: mean |logp gap|"
-                           f" {gap:.4g} > {tolerance} ({env.dtype}): a stale push or name mismatch")
+                           f" {gap:.4g} > {tolerance} ({env.dtype}): the engine lacks the trained "
+                           "weights (a push that did not happen, or names that missed)")
     return gap
 
 
 class ColocatedEngine:
-    """This rank's engine (self.llm); only this code sleeps, wakes or pushes it. wake_and_push gives
-    it the trained weights, probed at the first push (all names reach vLLM), then if no canary."""
+    """This rank's engine (self.llm), the trainer's guest on the GPU; only this code sleeps, wakes
+    or pushes it, and only it knows whether it sleeps.
 
-    def __init__(self, llm, cfg: Config, env, sleeps: bool, probe_ids: list[int]):
+    Between a sleep and the next generate (with sleep mode on): sleep() frees the engine's GPU
+    memory while the trainer works. Level 1 copies the weights to CPU RAM; level 2 DISCARDS them,
+    so what wakes is garbage until the trained weights are pushed: never generate after a level-2
+    wake without a push. wake_and_push wakes the weights, pushes the trainer's, then wakes the KV
+    cache (the cache is allocated last, once the push's buffers are freed).
+    The check of a push: the probe (probe_gap) after the first push, which proves every name
+    reaches vLLM, and after every push when the IS correction is off. With it on, train_step's
+    canary checks the tokens vLLM sampled at every step instead (those logprobs are computed
+    anyway), before the update."""
+
+    def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
         self.cfg = cfg
         self.env = env
-        self.sleeps = sleeps
+        self.sleep_mode = sleep_mode  # the memory plan's decision
         self.probe_ids = probe_ids  # a held-out prompt and its answer, scored by engine and trainer
-        self.asleep = False
+        self.is_asleep = False
         self.pushes = 0
         self.info = {}  # the last push's metrics
 
     def sleep(self, ledger):
         with timed(ledger, "sleep_wake", self.env):
-            if self.sleeps and not self.asleep:
+            if self.sleep_mode and not self.is_asleep:
                 self.llm.sleep(level=self.cfg.vllm_sleep_level)
-                self.asleep = True
+                self.is_asleep = True
 
     def wake_and_push(self, policy, step, ledger):
         env = self.env
         with timed(ledger, "sleep_wake", env):
-            if self.asleep:
+            if self.is_asleep:
                 # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
                 if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:
                     torch.cuda.empty_cache()
@@ -900,31 +1027,37 @@ class ColocatedEngine:
         with timed(ledger, "push", env):
             pushed = push_weights(self.llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
         with timed(ledger, "sleep_wake", env):
-            if self.asleep:
+            if self.is_asleep:
                 self.llm.wake_up(tags=["kv_cache"])
-                self.asleep = False
+                self.is_asleep = False
         self.info = {"push_gb": pushed / 1e9}
         if self.pushes == 0 or not self.cfg.vllm_importance_sampling_correction:
-            with timed(ledger, "parity", env):
-                gap = parity_gap(self.llm, unwrap(policy), self.probe_ids, env)
-                self.info["parity_gap"] = check_gap(gap, env, step, "the probe")
+            with timed(ledger, "probe", env):
+                gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, env)
+                self.info["probe_gap"] = check_gap(gap, env, step, "the probe")
         self.pushes += 1
 
 
 # ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
 def run(cfg: Config, env, inputs):
+    """Start the engine and the trainer, then train: one optimizer step per iteration."""
     tokenizer, train_rows, eval_rows = inputs.data
-    plan = inputs.plan  # the token budget, checkpointing and sleep mode: the memory plan's
+    plan = inputs.plan  # the memory plan: the token budget, checkpointing and sleep mode
     state = inputs.state  # the checkpoint's trainer_state, or None
-    if state and env.is_main:  # a restart before this run's first save goes on from here too
-        point_latest(cfg.output_dir, cfg.resume_from_checkpoint)
+    reward_funcs, reward_weights = load_reward_funcs(cfg)
+
+    # where the run starts: step 0, or a checkpoint's step and data position (section D says
+    # what else a resume restores)
     start_step = state["step"] if state else 0
     data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
-    reward_funcs, reward_weights = load_reward_funcs(cfg)
+    if state and env.is_main:  # a restart before this run's first save goes on from here too
+        point_latest(cfg.output_dir, cfg.resume_from_checkpoint)
     # the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
-    prompts_drawn = math.ceil(cfg.completions_per_rank // cfg.num_generations
-                              * cfg.dynamic_sampling_factor)
-    # The engine first (it sizes its memory on an empty GPU), asleep while the trainer loads
+    groups_per_step = cfg.completions_per_rank // cfg.num_generations
+    prompts_drawn = math.ceil(groups_per_step * cfg.dynamic_sampling_factor)
+
+    # The engine first (it sizes its memory on an empty GPU), asleep while the trainer loads; its
+    # probe is a held-out prompt with its answer
     llm = make_engine(cfg, env, inputs.model_config, plan.sleep)
     answer_ids = tokenizer(f"#### {eval_rows[0]['answer']}", add_special_tokens=False)["input_ids"]
     probe_ids = (eval_rows[0]["prompt_ids"] + answer_ids)[:cfg.longest_sequence - 1]
@@ -932,12 +1065,15 @@ def run(cfg: Config, env, inputs):
     engine.sleep({})
     trainer = build_trainer(cfg, env, plan, state)
     print_setup(cfg, env, plan, trainer.lm, inputs, start_step, prompts_drawn)
+
+    # the first push: the engine gets the trainer's weights (a resume's too), checked on the probe
     setup_time = {}
-    engine.wake_and_push(trainer.policy, start_step, setup_time)  # checked on the probe
-    print0(f"engine ready: first push and parity check took {sum(setup_time.values()):.2f}s, "
-           f"gap {engine.info['parity_gap']:.2e}")
+    engine.wake_and_push(trainer.policy, start_step, setup_time)
+    print0(f"engine ready: first push and probe took {sum(setup_time.values()):.2f}s, "
+           f"probe_gap {engine.info['probe_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
-        log_metrics(cfg, env, {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)})
+        record = {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)}
+        log_metrics(cfg, env, record)
 
     batch = None  # the current generation batch, trained on num_iterations times
     steps_on_batch = 0
@@ -951,52 +1087,70 @@ def run(cfg: Config, env, inputs):
         cuda_sync(env)
         step_start = time.perf_counter()
         is_last_step = step == cfg.max_steps
-        # a resumed run generates first, even if it was saved mid-way through num_iterations
+
+        # a new generation batch every num_iterations steps (a resume starts with one)
         if batch is None or steps_on_batch == cfg.num_iterations:
+
             # ======== generate: G completions per prompt, by the engine holding the latest weights
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn, cfg.seed)
+            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
+                                            cfg.seed)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
             with timed(ledger, "generate", env):
                 prompt_ids = [row["prompt_ids"] for row in rows]
                 samples, tool_counts = rollout(llm, cfg, env, tokenizer, prompt_ids, positions)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.sleep(ledger)  # the trainer gets the GPU
+
             # ======== score: every reward function on the decoded completions, [N, R]
             with timed(ledger, "reward", env):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
                                          cfg.num_generations, tokenizer, cfg.max_completion_length)
-            # ======== advantages: group-relative, after DAPO's dynamic sampling
-            batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts)
+
+            # ======== advantages: group-relative, after DAPO's dynamic sampling picks the groups
+            batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
+                               reward_weights, tool_counts)
             steps_on_batch = 0
-            # ======== logprobs: no-grad passes, the frozen old ones (train_step), the reference's
+
+            # ======== logprobs: the no-grad passes, frozen for the batch's iterations
             with timed(ledger, "logprobs", env):
-                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:
+                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # old: see train_step
                     policy = unwrap(trainer.policy)
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.tokens)
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
                     with trainer.lm.disable_adapter() if cfg.use_peft else nullcontext():
-                        batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env, plan.tokens)
+                        batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env,
+                                                        plan.tokens)
+
         # ======== train: packed micro-batches, the loss, one AdamW step
         lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses
         train_stats = train_step(trainer.policy, trainer.optimizer, trainer.scheduler, batch, cfg,
                                  env, plan.tokens, ledger, step)
         sample_memory(env, memory)  # the trainer's peak is freed; max_memory_allocated has it
         steps_on_batch += 1
-        skipped_in_a_row = skipped_in_a_row + 1 if train_stats["skipped"] else 0
-        skipped_total += int(train_stats["skipped"])
-        if train_stats["skipped"]:  # a non-finite loss or gradient: no update
+
+        # a non-finite loss or gradient skipped the update; three in a row end the run
+        if train_stats["skipped"]:
             print0(f"step {step}: non-finite loss or gradient, skipped")
-        if skipped_in_a_row == 3:  # non-finite steps in a row end the run
+            skipped_in_a_row += 1
+            skipped_total += 1
+        else:
+            skipped_in_a_row = 0
+        if skipped_in_a_row == 3:
             raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
                                "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
+
         # ======== save: before the push, so that a failure in the push, its check or eval keeps it
-        if cfg.save_steps >= 0 and (is_last_step or cfg.save_steps and step % cfg.save_steps == 0):
+        is_save_step = cfg.save_steps > 0 and step % cfg.save_steps == 0
+        if cfg.save_steps >= 0 and (is_last_step or is_save_step):
             with timed(ledger, "save", env):
-                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position, train_rows)
+                path = save_checkpoint(cfg, env, step, trainer, tokenizer, data_position,
+                                       inputs.rows_digest)
             print0(f"saved {path}")
+
         # ======== push: the trained weights into the engine, which generates next
         if steps_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
+
         # ======== log: stdout and metrics.jsonl; the greedy eval
         cuda_sync(env)  # what no phase timed (batching, advantages...): the ledger sums to the step
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
@@ -1008,12 +1162,14 @@ def run(cfg: Config, env, inputs):
             if env.is_main:
                 print(log_line(step, cfg.max_steps, record), flush=True)
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
-            with timed(record, "time/eval", env):  # a push and a sleep mid-cycle count in it
-                mid_cycle = steps_on_batch < cfg.num_iterations  # the engine's weights are older
+            with timed(record, "time/eval", env):
+                # mid-cycle (num_iterations > 1) the engine's weights are older: push, evaluate,
+                # and sleep again, for the trainer goes on with this batch
+                mid_cycle = steps_on_batch < cfg.num_iterations
                 if mid_cycle:
                     engine.wake_and_push(trainer.policy, step, {})
                 record.update(evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step))
-                if mid_cycle:  # the trainer goes on with this batch
+                if mid_cycle:
                     engine.sleep({})
         if len(record) > 1:
             log_metrics(cfg, env, record)
@@ -1026,15 +1182,17 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
     mine = eval_rows[env.rank::env.world]  # every rank scores a share; TP groups gather in generate
     samples, _ = rollout(llm, cfg, env, tokenizer, [row["prompt_ids"] for row in mine])
     llm.reset_prefix_cache()  # as after the probe
-    totals = torch.zeros(2, len(reward_funcs))  # [2, R]: each function's sum, and what it scored
+
+    # each function's sum and the completions it scored (a None is left out: nanmean)
+    totals = torch.zeros(2, len(reward_funcs))  # [2, R]
     if mine:
         ids = [s.token_ids for s in samples]
         scores = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length)  # [n, R]
         totals = torch.stack([scores.nansum(0), (~scores.isnan()).sum(0).float()])
     totals = totals.to(env.device)
-    dist.all_reduce(totals)  # the mean over what it scored (nanmean), as the training rewards/
-    means = {f"eval/{fn.__name__}": s / max(n, 1.0)
-             for fn, s, n in zip(reward_funcs, *totals.tolist())}
+    dist.all_reduce(totals)
+    means = {f"eval/{fn.__name__}": total / max(scored, 1.0)
+             for fn, total, scored in zip(reward_funcs, *totals.tolist())}
     which = "eval at step 0 (base model)" if step == 0 else f"eval at step {step}"
     print0(f"{which}: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))
     return means
@@ -1047,14 +1205,17 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 def setup_env(cfg: Config) -> SimpleNamespace:
-    """This rank's place (torchrun's environment) and its platform's ways, decided once."""
+    """This rank's place (torchrun's environment) and its platform's ways, decided once: the
+    step itself has no platform branch. setup_distributed adds tp_group, the only later field."""
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
         from torch.distributed.elastic.utils.distributed import get_free_port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
     rank = int(os.environ["RANK"])
+
     if cfg.full_determinism:  # cuBLAS's deterministic workspace, set before its first call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     engine_bytes = 0  # what the engine maps when it wakes (weights, KV cache...), + 2 GiB to spare
@@ -1069,8 +1230,10 @@ def setup_env(cfg: Config) -> SimpleNamespace:
         dtype=torch.bfloat16 if cfg.dtype == "bfloat16" or cuda and cfg.dtype == "auto" else torch.float32,
         tp=cfg.vllm_tensor_parallel_size,
         engine_bytes=engine_bytes,
-        push_in_place=cuda,  # else reload_weights: the CPU backend re-packs what it loads
+        # CUDA: load_weights, into the model in place; the CPU backend re-packs what it loads
+        push_via="load_weights" if cuda else "reload_weights",
         attention="varlen" if cuda else "sdpa",  # torch's varlen kernel, or sdpa + a block mask
+        tp_group=None,  # this rank's TP group: setup_distributed makes it
     )
 
 
@@ -1088,6 +1251,7 @@ def setup_distributed(cfg: Config, env, error=None, facts=None):
                             device_id=env.device if cuda else None)
     if env.world > 1:
         agree_at_start(cfg, env, error, facts or {})
+
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours are the same groups
     groups = [list(range(i, i + env.tp)) for i in range(0, env.world, env.tp)]
     env.tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
@@ -1103,6 +1267,8 @@ def agree_at_start(cfg: Config, env, error, facts: dict):
     if marker[0] and not error and not os.path.exists(os.path.join(cfg.output_dir, marker[0])):
         error = ConfigError(f"--output_dir: {cfg.output_dir!r} is not rank 0's directory (a disk "
                             "of each node?); pass one that every node shares")
+
+    # every rank's error and facts; any error, or any fact decided apart, stops every rank
     everyone = [None] * env.world
     dist.all_gather_object(everyone, (error and f"{error} (rank {env.rank})", facts))
     if marker[0] and env.rank == 0:
@@ -1176,6 +1342,7 @@ def make_engine(cfg: Config, env, model_config, sleep: bool):
     """vllm.LLM in this process: external_launcher joins our world instead of spawning workers."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")
     from vllm import LLM
+
     kwargs = dict(
         model=cfg.model,
         dtype=env.dtype,
@@ -1190,12 +1357,14 @@ def make_engine(cfg: Config, env, model_config, sleep: bool):
         load_format="safetensors",
         use_tqdm_on_load=cfg.verbose,
     )
+    # the engine's memory: a share of the GPU (and sleep mode), or a KV cache in bytes on a CPU
     if env.device.type == "cuda":
         kwargs.update(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                       enable_sleep_mode=sleep)
     else:  # no chunked prefill: it fails on seeded requests ("CPU Generator does not use offset")
         kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, env, model_config),
                       enforce_eager=True, enable_chunked_prefill=False)
+
     with nullcontext() if cfg.verbose else quiet_engine_start(cuda=env.device.type == "cuda"):
         return LLM(**kwargs)
 
@@ -1250,7 +1419,7 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=True) -> nn.Module:
     """The policy (or the frozen reference) on this rank: whole under DDP, sharded under FSDP2."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md section 10)
+    # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md, "The train phase")
     for layer in lm.get_decoder().layers if compiled(env.device) else ():
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
@@ -1292,21 +1461,26 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     # after LLM() too: vLLM's compiler refuses deterministic mode. Not warn_only: FlashAttention's
     # backward keeps its atomics in that mode (README: When something goes wrong)
     torch.use_deterministic_algorithms(cfg.full_determinism)
+
+    # the policy: the model's weights, or a resume's (LoRA: the base; its adapter, add_lora's).
+    # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md, "Logprob precision")
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
-    # LoRA: the base; its adapter comes from the checkpoint (add_lora)
     weights = cfg.resume_from_checkpoint if state and not cfg.use_peft else cfg.model
     lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
-    # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md sec. 9)
     if cfg.use_peft:
         lm = add_lora(lm, cfg)
+    policy = wrap_policy(lm, env, cfg, plan.checkpointing)
+
+    # the reference: the initial policy, fp32 too (equal logprobs at step 0); LoRA's is the
+    # policy with its adapters off (the loop's logprobs phase)
     reference = None
-    if cfg.beta > 0 and not cfg.use_peft:  # the initial policy, fp32 too: equal logps at step 0
+    if cfg.beta > 0 and cfg.use_peft:
+        reference = unwrap(policy)
+    elif cfg.beta > 0:
         ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code)
         reference = wrap_policy(ref_lm.requires_grad_(False), env, cfg, False, trainable=False)
-    policy = wrap_policy(lm, env, cfg, plan.checkpointing)
-    if cfg.beta > 0 and cfg.use_peft:  # LoRA's reference: the base, the policy without adapters
-        reference = unwrap(policy)
-    # weight decay on the matrices, not on biases and norms (HF's Trainer, so TRL's)
+
+    # AdamW: weight decay on the matrices, not on biases and norms (HF's Trainer, so TRL's)
     decay = {"params": [], "weight_decay": cfg.weight_decay}
     no_decay = {"params": [], "weight_decay": 0.0}
     for name, p in policy.named_parameters():
@@ -1318,7 +1492,9 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
                                   fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
     schedule = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler_type, cfg.lr_scheduler_type)
     scheduler = get_scheduler(schedule, optimizer, cfg.warmup_steps, cfg.max_steps)
-    if state is not None:  # AdamW's moments; the rates: this run's flags at the saved step
+
+    # a resume: AdamW's moments from the checkpoint; the rates from this run's flags at its step
+    if state is not None:
         load_optimizer(cfg.resume_from_checkpoint, policy, optimizer)
         scheduler.last_epoch = state["step"]
         for group, own, factor in zip(optimizer.param_groups, groups, scheduler.lr_lambdas):
@@ -1377,6 +1553,8 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     cuda = torch.cuda.is_available()
     path = os.path.expanduser(cfg.dataset)
     data_file = path.endswith((".json", ".jsonl", ".parquet", ".csv"))
+
+    # (flag, condition, fix): the value ranges, then the rules between flags
     at_least_1 = ["per_device_train_batch_size", "gradient_accumulation_steps", "max_prompt_length",
                   "max_completion_length", "num_iterations", "num_eval", "logging_steps",
                   "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
@@ -1423,8 +1601,11 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     ]
     for flag, ok, fix in rules:
         need(ok, flag, f"is {getattr(cfg, flag)!r}; {fix}")
-    load_reward_funcs(cfg)  # imports your module:function ones
+
+    # your module:function reward functions and tools, imported now
+    load_reward_funcs(cfg)
     load_tools(cfg)
+
     if cfg.resume_from_checkpoint:  # read here: a crafted checkpoint is refused before any engine
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
         # what it holds (LoRA: an adapter of that shape), and the train order its position counts in
@@ -1433,6 +1614,7 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
                      "prompt_column", "answer_column", "max_prompt_length", "tools"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
                  f"checkpoint's run had {saved.get(flag)!r}: pass that")
+
     try:  # on every rank: each writes its own checkpoint shards there
         os.makedirs(cfg.output_dir, exist_ok=True)
         tempfile.TemporaryFile(dir=cfg.output_dir).close()
@@ -1449,6 +1631,8 @@ def check_model(cfg: Config, model_config) -> int:
     splits = heads % tp == 0 and (kv_heads % tp == 0 or tp % kv_heads == 0)
     need(splits, "vllm_tensor_parallel_size",
          f"{tp} does not split the model's {heads} attention / {kv_heads} KV heads")
+
+    # from the config: what the trainer's logprobs would get wrong, the context, the file format
     for capping in ("attn_logit_softcapping", "final_logit_softcapping"):
         need(not getattr(model_config, capping, None), "model", f"the trainer ignores {capping}")
     context = getattr(model_config, "max_position_embeddings", None)
@@ -1456,7 +1640,9 @@ def check_model(cfg: Config, model_config) -> int:
          f"+ --max_completion_length = {cfg.longest_sequence} > the model's context, {context}")
     safe = not os.path.isdir(cfg.model) or any(f.endswith(".safetensors") for f in os.listdir(cfg.model))
     need(safe, "model", f"no .safetensors in {cfg.model}: convert (pickled weights run code)")
-    with torch.device("meta"):  # the policy's modules, names and sizes: no weights read
+
+    # from the modules, built on the meta device (no weights read)
+    with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     head = lm.get_output_embeddings()
     # what the trainer's logprobs leave out: refused rather than trained wrong (the probe would stop)
@@ -1513,14 +1699,17 @@ def load_rows(cfg: Config):
     """(train, eval) lists of dict rows: 'prompt', 'answer' and the dataset's other columns."""
     if cfg.dataset == "arithmetic":
         return reward_fns.arithmetic_task(cfg.seed, cfg.num_eval)
+
+    # a data file (json, jsonl, parquet or csv: check_config), or a hub dataset name[:config]
     from datasets import load_dataset  # datasets >= 4 runs no loading scripts: data is never code
     path = os.path.expanduser(cfg.dataset)
-    kind = path.rsplit(".", 1)[-1]  # a file's: json, jsonl, parquet or csv (check_config)
+    kind = path.rsplit(".", 1)[-1]
     if os.path.exists(path):
         load = functools.partial(load_dataset, "json" if kind == "jsonl" else kind, data_files=path)
     else:
         name, _, config = cfg.dataset.partition(":")
         load = functools.partial(load_dataset, name, config or None)
+
     def load_split(split, flag):
         try:
             rows = load(split=split)
@@ -1529,6 +1718,8 @@ def load_rows(cfg: Config):
                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})")
         need(len(rows) > 0, flag, f"split {split!r} of {cfg.dataset!r} has no rows")
         return rows
+
+    # the training split, and the eval's: its own split, or rows held out of the training split
     train = load_split(cfg.dataset_split, "dataset")
     if cfg.eval_split:
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
@@ -1539,10 +1730,13 @@ def load_rows(cfg: Config):
             print0(f"holding out {held} of {len(train)} rows for eval (<= a tenth)")
         parts = train.train_test_split(test_size=held, seed=cfg.seed)
         train, eval_ = parts["train"], parts["test"]
+
+    # the prompt and answer columns under the names reward functions expect
     for flag in ("prompt_column", "answer_column"):
         column = getattr(cfg, flag)
         need(column in train.column_names, flag, f"no column {column!r} in {train.column_names}")
-    def rename(row):  # the prompt and answer columns under the names reward functions expect
+
+    def rename(row):
         other = {k: v for k, v in row.items() if k not in (cfg.prompt_column, cfg.answer_column)}
         return {**other, "prompt": row[cfg.prompt_column], "answer": row[cfg.answer_column]}
     return [rename(row) for row in train], [rename(row) for row in eval_]
@@ -1576,23 +1770,37 @@ def prepare_data(cfg: Config):
             reward_fns.tool_suffix_ids(tokenizer, [{"role": "tool", "name": "f", "content": "1"}])
     except Exception as e:  # noqa: BLE001 - jinja's and the template's own errors
         need(False, "tools", f"the model's chat template cannot render a tool result ({e})")
+
+    # each prompt through the chat template, once; the longer than --max_prompt_length dropped
     splits = []
     for rows, what in zip(load_rows(cfg), ("training", "eval")):
         for row in rows:
             row["prompt_ids"] = encode_prompt(tokenizer, row["prompt"], tools)
-        kept = [row for row in rows if len(row["prompt_ids"]) <= cfg.max_prompt_length]
-        need(kept, "max_prompt_length", f"all {len(rows)} {what} prompts are longer; raise it")
-        if len(kept) < len(rows):
-            print0(f"dropped {len(rows) - len(kept)} of {len(rows)} {what} prompts longer than "
+        fit = [row for row in rows if len(row["prompt_ids"]) <= cfg.max_prompt_length]
+        need(fit, "max_prompt_length", f"all {len(rows)} {what} prompts are longer; raise it")
+        if len(fit) < len(rows):
+            print0(f"dropped {len(rows) - len(fit)} of {len(rows)} {what} prompts longer than "
                    f"--max_prompt_length {cfg.max_prompt_length}")
-        splits.append(kept)
+        splits.append(fit)
     return tokenizer, *splits
 
 
 # ---- D. Checkpoints: written atomically, read without running code, resumed on any world size ----
-def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, train_rows) -> str:
+# What a resume (--resume_from_checkpoint DIR, or latest) restores, and where:
+#   - the weights: the checkpoint's HF weights (LoRA: the base model and the saved adapter), in
+#     build_trainer and add_lora; the engine gets them at run's first push;
+#   - AdamW's moments (load_optimizer, resharded to this run's world size); the step, so the lr
+#     schedule's rate at that step (build_trainer; this run's --learning_rate and schedule apply);
+#   - the data position (run's first lines): the next prompts, and the rollouts' seeds, which
+#     derive from (seed, position): no RNG state is saved, and the rollouts repeat;
+#   - what must match, refused otherwise before any engine: the flags that fix the data order and
+#     the adapter's shape (check_config), and the training rows themselves (check_inputs).
+# The checkpoint is written to checkpoint-<step>.tmp and renamed last; <output_dir>/latest names
+# the newest complete one (point_latest).
+def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, digest: str):
     """checkpoint-<step>/, a .tmp dir renamed last: HF weights (fp32; LoRA: merged in the last
-    one, and adapter/), tokenizer, grpo_config.json, optimizer/ (DCP), trainer_state.pt."""
+    one, and adapter/), tokenizer, grpo_config.json, optimizer/ (DCP), trainer_state.pt.
+    digest: the training rows' rows_digest, computed once at start."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
@@ -1601,14 +1809,25 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, trai
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
+
+    # The full weights: every rank walks the whole generator (under FSDP2 each tensor is a
+    # collective), rank 0 alone keeps them, in RAM. LoRA: merged in the last checkpoint only.
     lm = trainer.lm
     merged = not cfg.use_peft or step == cfg.max_steps
-    weights = full_weights(lm, torch.float32, env.device, 2**30) if merged else ()
-    weights = {n: t.cpu() for n, t in weights if env.is_main}  # all gather; rank 0 keeps, in RAM
-    adapter = {n: full_tensor(p, torch.float32, env.device).cpu()
-               for n, p in lm.named_parameters() if ".lora_" in n}
+    weights = {}
+    for name, tensor in full_weights(lm, torch.float32, env.device, 2**30) if merged else ():
+        if env.is_main:
+            weights[name] = tensor.cpu()
+    adapter = {}
+    for name, p in lm.named_parameters():
+        if ".lora_" in name:
+            adapter[name] = full_tensor(p, torch.float32, env.device).cpu()
+
+    # AdamW's state: every rank writes its shards (DCP)
     optimizer_state = {"optimizer": get_optimizer_state_dict(trainer.policy, trainer.optimizer)}
     dcp.save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))
+
+    # rank 0: the rest, then the rename that makes the checkpoint exist
     if env.is_main:
         if cfg.use_peft:
             lm.save_pretrained(os.path.join(tmp, "adapter"), state_dict=adapter)
@@ -1620,7 +1839,7 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, trai
             json.dump(asdict(cfg), f, indent=1)
         # no RNG state: the data order and the rollouts' seeds derive from (seed, position); only
         # --lora_dropout draws, from the generator of (seed, rank), restarted at a resume
-        state = {"step": step, "data_position": data_position, "rows": rows_digest(train_rows)}
+        state = {"step": step, "data_position": data_position, "rows": digest}
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         shutil.rmtree(final, ignore_errors=True)  # an abandoned branch's save of this step
         os.replace(tmp, final)
@@ -1682,11 +1901,16 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     hidden = model_config.hidden_size
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
+
+    # bytes: activations per token (plain, or checkpointed), and the trainer's state per parameter
     plain = (120 if cuda else 180) * hidden * layers  # bytes per token
     checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = 4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)
     per_param = 0 if cfg.fsdp_cpu_offload else per_param / (env.world if cfg.fsdp else 1)
+
+    # the room for activations: 85% of the device, less the trainer's state, and the engine's
+    # share while it is awake
     if cuda:
         device_bytes = torch.cuda.mem_get_info(env.device)[1]
         engine_bytes = env.engine_bytes
@@ -1697,13 +1921,17 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     awake_room = asleep_room - engine_bytes
     can_sleep = cuda and cfg.vllm_enable_sleep_mode != "false"
     room = asleep_room if can_sleep else awake_room
+
     # checkpointing auto: on where your budget, or 4,096 tokens (a sequence at least), won't fit
     floor = cfg.max_tokens_per_microbatch or max(4096, cfg.longest_sequence)
     checkpointing = cfg.gradient_checkpointing == "true"
     checkpointing |= cfg.gradient_checkpointing == "auto" and room < floor * plain
     per_token = checkpointed if checkpointing else plain
+
     def budget(room):  # a micro-batch's tokens in `room` bytes (yours, if you set one)
         return cfg.max_tokens_per_microbatch or int(room // per_token)
+
+    # sleep mode
     sleep = can_sleep
     why = f"level {cfg.vllm_sleep_level}" if can_sleep else "off"
     if can_sleep and cfg.vllm_enable_sleep_mode == "auto":
@@ -1716,6 +1944,8 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
         if not sleep:
             why = f"off (auto: {awake_cuts} micro-batches awake, as asleep)"
             room = awake_room
+
+    # the budget, which must hold the longest sequence
     tokens = budget(room)
     need(tokens >= cfg.longest_sequence, "max_completion_length", f"a sequence of "
          f"{cfg.longest_sequence} tokens needs {cfg.longest_sequence * per_token / 2**30:.1f} GiB of "
@@ -1730,6 +1960,8 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H20
 
 # The logged means: metric -> (numerator, denominator), each summed over every rank in one
 # all_reduce (grpo_loss's token means weighed by loss tokens, "tokens"; tools/: TRL's definitions).
+# sampled_gap: the mean |logp_trainer - logp_vllm| over the tokens vLLM sampled (the canary checks
+# its largest value on one rank, sampled_gap/rank_max); probe_gap (ColocatedEngine): the probe's.
 MEANS = {
     "reward": ("reward", "scored"),
     "completion_length/mean": ("length", "completions"),
@@ -1740,7 +1972,7 @@ MEANS = {
     "clip_ratio/high": ("clip_ratio/high", "tokens"),
     "clip_ratio/region": ("clip_ratio/region", "tokens"),
     "kl": ("kl", "tokens"),
-    "logprob_gap": ("logprob_gap", "gap_tokens"),
+    "sampled_gap": ("sampled_gap", "gap_tokens"),
     "is_weight/mean": ("is_weight", "completion_tokens"),
     "is_weight/masked": ("is_masked", "completion_tokens"),
     "tools/call_frequency": ("tool_calls", "generated_completions"),
@@ -1770,9 +2002,33 @@ def sample_memory(env, memory: dict):
         memory["peak_allocated"] = torch.cuda.max_memory_allocated(env.device) / 2**30
 
 
+def micro_batch_sums(mb, loss, loss_stats, entropy, old_logps, is_weights) -> dict:
+    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
+    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens."""
+    loss_tokens = mb.loss_mask.sum()
+    sums = {"loss": loss}
+    for name, value in loss_stats.items():
+        sums[name] = value * loss_tokens
+    sums["entropy"] = (entropy * mb.loss_mask).sum()
+    if mb.vllm_logps is not None:
+        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
+        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
+        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
+        sums["sampled_gap"] = gap.nansum()
+        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
+        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
+        sums["is_weight"] = (weights * mb.model_mask).sum()
+        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
+    sums["tokens"] = loss_tokens
+    sums["completion_tokens"] = mb.model_mask.sum()
+    return sums
+
+
 def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_info, reward_funcs):
     """The step's global metrics: every rank's sums in one all_reduce (one more: min/max)."""
     s = batch.stats
+
+    # this rank's sums: make_batch's stats, each reward function's, and train_step's
     local = {
         "reward": s["rewards"].nansum(),
         "reward_sq": (s["rewards"] ** 2).nansum(),
@@ -1789,14 +2045,17 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     for j, fn in enumerate(reward_funcs):  # each function's mean over what it scored (nanmean)
         local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nansum()
         local[f"scored/{fn.__name__}"] = (~s["rewards_per_func"][:, j].isnan()).sum()
-    local.update(train_stats)  # its sums (and grad_norm, skipped, canary_gap: not means, unread)
+    local.update(train_stats)  # its sums (and grad_norm, skipped, sampled_gap/rank_max: unread)
+
+    # summed over the ranks, then the means
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
     dist.all_reduce(totals)
     t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     m = {name: t[num] / max(t[den], 1.0) for name, (num, den) in MEANS.items() if num in t}
-    # Bessel-corrected, as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1))
+
+    # the stds, Bessel-corrected as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1)); the extremes
     n = t["scored"]
     m["reward_std"] = math.sqrt(max(t["reward_sq"] / max(n, 1) - m["reward"] ** 2, 0.0) * n / max(n - 1, 1))
     for fn in reward_funcs:
@@ -1804,11 +2063,17 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     m["advantage_std"] = math.sqrt(t["adv_sq"] / t["completions"])
     m["completion_length/min"] = -extremes[1].item()
     m["completion_length/max"] = extremes[0].item()
+
+    # the loss, the values that are global already, the last push's
     m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
-    m.update({k: train_stats[k] for k in ("grad_norm", "canary_gap") if k in train_stats})  # global
-    m.update(push_info)  # the last push's metrics
+    for key in ("grad_norm", "sampled_gap/rank_max"):  # global already
+        if key in train_stats:
+            m[key] = train_stats[key]
+    m.update(push_info)
     for prefix, on in (("tools/", cfg.tools), ("dynamic_sampling/", cfg.dynamic_sampling_factor > 1)):
         m = {k: v for k, v in m.items() if on or not k.startswith(prefix)}
+
+    # the time ledger, throughput and memory
     m.update({f"time/{k}": v for k, v in ledger.items()})
     m["time/step"] = sum(ledger.values())
     m["completion_tokens_per_sec_per_gpu"] = t["length"] / env.world / m["time/step"]
@@ -1823,8 +2088,8 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
 
 
 def log_line(step, max_steps, m) -> str:
-    """The step's line on stdout. trunc: completion_clipped_ratio, clip: clip_ratio/region,
-    vllm_gap: logprob_gap, probe_gap: parity_gap; then the time ledger in seconds."""
+    """The step's line on stdout. trunc: completion_clipped_ratio, clip: clip_ratio/region; then
+    the time ledger in seconds."""
     rewards = [f"{k[8:].removesuffix('_reward')} {v:.2f}" for k, v in m.items() if k[:8] == "rewards/"]
     parts = [
         f"step {step}/{max_steps}",
@@ -1833,9 +2098,9 @@ def log_line(step, max_steps, m) -> str:
         f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}",
         f"ent {m['entropy']:.2f}",
     ]
-    for key, name in (("kl", "kl"), ("logprob_gap", "vllm_gap"), ("parity_gap", "probe_gap")):
+    for key in ("kl", "sampled_gap", "probe_gap"):
         if key in m:
-            parts.append(f"{name} {m[key]:.4f}")
+            parts.append(f"{key} {m[key]:.4f}")
     parts.append(" ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k[:5] == "time/" and k != "time/step"))
     parts.append(f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU")
     if m.get("mfu"):
@@ -1859,12 +2124,11 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
     print0(f"per process and step: {completions // G} prompts (of {prompts_drawn} generated) x G "
            f"{G} = {completions} completions, in packed micro-batches of <= {plan.tokens} tokens "
            f"({env.attention}) | global batch {completions * env.world} completions")
-    push = "load_weights" if env.push_in_place else "reload_weights"
-    canary = "sampled" if cfg.vllm_importance_sampling_correction else "probe"
+    check = "sampled tokens" if cfg.vllm_importance_sampling_correction else "probe"
     _, train_rows, eval_rows = inputs.data
     print0(f"engine: max_model_len {cfg.longest_sequence}, max_num_seqs {max_num_seqs(cfg, env)}, "
-           f"sleep {plan.why}, push via {push}, canary {canary} | {len(train_rows)} train / "
-           f"{len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
+           f"sleep {plan.why}, push via {env.push_via}, checked on the {check} | {len(train_rows)} "
+           f"train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
 
 def log_metrics(cfg, env, record: dict):
@@ -1899,6 +2163,8 @@ def check_inputs(argv=None):
             from transformers.utils import logging as hf_logging
             hf_logging.disable_progress_bar()
             os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+
+        # this process's place, then the model, the data and a checkpoint, each checked
         env = setup_env(cfg)
         model_config = load_model_config(cfg)
         num_params = check_model(cfg, model_config)
@@ -1909,12 +2175,16 @@ def check_inputs(argv=None):
             state = read_checkpoint_state(cfg.resume_from_checkpoint)
             need(state.get("rows", rows) == rows, "dataset", f"the training rows ({rows}) are not "
                  f"the checkpoint's ({state['rows']}): resume with its data and chat template")
+
+        # the memory plan, and the facts every rank must have decided alike (agree_at_start)
         plan = memory_plan(cfg, env, model_config, num_params)
-        resumed = state or {}  # for the facts every rank must have decided alike (agree_at_start)
+        resumed = state or {}
         facts = {"vllm_enable_sleep_mode": plan.sleep, "dataset": rows, "resume_from_checkpoint":
                  (cfg.resume_from_checkpoint, resumed.get("step"), resumed.get("data_position"))}
-        inputs = SimpleNamespace(model_config=model_config, data=data, state=state, plan=plan, facts=facts)
+        inputs = SimpleNamespace(model_config=model_config, data=data, rows_digest=rows, state=state,
+                                 plan=plan, facts=facts)
         return cfg, env, inputs, None
+
     except Exception as e:  # noqa: BLE001 - under torchrun, routed to every rank (agree_at_start)
         config_error = isinstance(e, ConfigError)
         if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks

@@ -61,7 +61,7 @@ def cpu_env(**overrides):
     """setup_env's namespace for a world of one CPU process (what train_step, build_trainer,
     memory_plan and run read)."""
     return SimpleNamespace(**{"rank": 0, "world": 1, "local_world": 1, "is_main": True, "device": torch.device("cpu"),
-                              "dtype": torch.float32, "tp": 1, "engine_bytes": 0, "push_in_place": False,
+                              "dtype": torch.float32, "tp": 1, "engine_bytes": 0, "push_via": "reload_weights",
                               "attention": "sdpa", **overrides})
 
 
@@ -74,8 +74,8 @@ def completion_mask_of(completions):
 def train_batch(prompts, completions, advantages, model_mask=None, vllm_logps=None):
     """A generation batch as make_batch returns it, for train_step: every model token is a loss token."""
     model_mask = completion_mask_of(completions) if model_mask is None else model_mask
-    return SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=model_mask,
-                           loss_mask=model_mask.float(), trained=torch.ones(len(completions), dtype=torch.bool),
+    return SimpleNamespace(sample_prompt_ids=prompts, completion_ids=completions, model_mask=model_mask,
+                           loss_mask=model_mask.float(), filler=torch.zeros(len(completions), dtype=torch.bool),
                            advantages=torch.tensor(advantages), vllm_logps=vllm_logps, old_logps=None,
                            ref_logps=None)
 
@@ -312,7 +312,7 @@ ENTROPY = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.1, 9.0]])
 
 def test_grpo_loss_top_entropy_tokens_only():
     keep = (ENTROPY >= 1.0).float()  # what train_step passes for a threshold of 1.0
-    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo"), keep=keep)
+    loss, stats = gc.grpo_loss(LOGPS, OLD, ADV, MASK, loss_cfg("bnpo"), entropy_mask=keep)
     # the policy term of the 3 kept tokens, still / 5 tokens: -0.0013, from O(1) terms that cancel
     # (fp32 rounding: an absolute tolerance)
     assert close(loss, (ROW0[1] + ROW0[2] + ROW1[0]) / 5, atol=1e-6)
@@ -334,7 +334,7 @@ def entropy_bonus_by_hand(batch, budget, coef, rho=1.0, per_micro_batch=True):
     micro-batch's learning tokens (its loss tokens, of the top rho by entropy) / the M micro-batches.
     per_micro_batch=False: one mean over all the batch's learning tokens instead."""
     policy = gc.Policy(tiny_llama(), entropy_grad=True)
-    cuts = gc.split_micro_batches([len(p) + len(c) for p, c in zip(batch.prompt_ids, batch.completion_ids)], budget)
+    cuts = gc.split_micro_batches([len(p) + len(c) for p, c in zip(batch.sample_prompt_ids, batch.completion_ids)], budget)
     sums, counts = [], []
     for seqs in cuts:
         mb = gc.micro_batch(batch, seqs, "cpu")
@@ -828,7 +828,7 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
 
 def test_micro_batch_packs_rows_and_cuts_columns():
     model_mask = completion_mask_of(COMPLETIONS)
-    batch = SimpleNamespace(prompt_ids=PROMPTS, completion_ids=COMPLETIONS, model_mask=model_mask,
+    batch = SimpleNamespace(sample_prompt_ids=PROMPTS, completion_ids=COMPLETIONS, model_mask=model_mask,
                             loss_mask=model_mask.float(), advantages=torch.arange(3.0), vllm_logps=None,
                             old_logps=torch.ones(3, 3), ref_logps=None)
     mb = gc.micro_batch(batch, range(0, 1), "cpu")
@@ -1477,7 +1477,7 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
         return train_step(*args)
     monkeypatch.setattr(gc, "make_engine", lambda *args: engine)
     monkeypatch.setattr(gc, "push_weights", push_weights)
-    monkeypatch.setattr(gc, "parity_gap", lambda *args: 0.0)
+    monkeypatch.setattr(gc, "probe_gap", lambda *args: 0.0)
     monkeypatch.setattr(gc, "train_step", recording_train_step)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 80 * GiB))  # the wake's
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
@@ -1500,18 +1500,18 @@ def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, world_of_one
     engine = gc.ColocatedEngine(RecordingEngine(), cfg, cpu_env(), False, [5, 6, 7])
     probes = []
 
-    def parity_gap(llm, policy, probe_ids, env):  # the probe, recorded
+    def probe_gap(llm, policy, probe_ids, env):  # the probe, recorded
         probes.append(probe_ids)
         return 0.0
     monkeypatch.setattr(gc, "push_weights", lambda *args: 1 << 30)
-    monkeypatch.setattr(gc, "parity_gap", parity_gap)
+    monkeypatch.setattr(gc, "probe_gap", probe_gap)
     probe_ran = []
     for step in range(3):
         before = len(probes)
         engine.wake_and_push(SimpleNamespace(lm=None), step, {})  # a push (stubbed), then the probe or not
         probe_ran.append(len(probes) > before)
     assert probe_ran == probed and all(p == [5, 6, 7] for p in probes) and engine.pushes == 3
-    assert engine.info["push_gb"] == 2**30 / 1e9 and ("parity_gap" in engine.info) == probed[-1]  # the last push's
+    assert engine.info["push_gb"] == 2**30 / 1e9 and ("probe_gap" in engine.info) == probed[-1]  # the last push's
 def test_canary_before_the_update(world_of_one):
     """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
     A gap beyond the tolerance stops the step with no update; NaN vLLM logprobs are left out of it
@@ -1535,10 +1535,10 @@ def test_canary_before_the_update(world_of_one):
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # stopped before the update
     optimizer.zero_grad(set_to_none=True)
     sums = step(exact)
-    assert sums["canary_gap"] < 1e-6 and sums["skipped"] == 0.0
+    assert sums["sampled_gap/rank_max"] < 1e-6 and sums["skipped"] == 0.0
     optimizer.zero_grad(set_to_none=True)
     sums = step(torch.full_like(exact, math.nan))  # vLLM's NaN: not blamed, not a non-finite step
-    assert sums["canary_gap"] == 0.0 and sums["skipped"] == 0.0
+    assert sums["sampled_gap/rank_max"] == 0.0 and sums["skipped"] == 0.0
 
 
 def test_lora_trains_adapters_only_and_pushes_merged_weights():
@@ -1607,9 +1607,9 @@ def _save_twice_and_die(out, store):
     trainer = SimpleNamespace(lm=policy.lm, policy=policy, optimizer=torch.optim.AdamW(policy.parameters()))
     args = (gc.Config(output_dir=out), SimpleNamespace(is_main=True, device=torch.device("cpu")))
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    gc.save_checkpoint(*args, 1, trainer, tokenizer, 4, [])
+    gc.save_checkpoint(*args, 1, trainer, tokenizer, 4, gc.rows_digest([]))
     torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # killed half-way through the second save
-    gc.save_checkpoint(*args, 2, trainer, tokenizer, 8, [])
+    gc.save_checkpoint(*args, 2, trainer, tokenizer, 8, gc.rows_digest([]))
 
 
 def test_checkpoint_killed_during_save_leaves_the_previous_one(tmp_path):
@@ -1641,7 +1641,7 @@ def test_checkpoint_saves_over_an_abandoned_save_of_its_step(tmp_path, world_of_
     cfg = gc.Config(output_dir=str(out))
     env = SimpleNamespace(is_main=True, device=torch.device("cpu"))
     tokenizer = AutoTokenizer.from_pretrained(MODEL)
-    gc.save_checkpoint(cfg, env, 1, trainer, tokenizer, 4, [])
+    gc.save_checkpoint(cfg, env, 1, trainer, tokenizer, 4, gc.rows_digest([]))
     assert sorted(os.listdir(out)) == ["checkpoint-1", "latest"]
     assert gc.latest_checkpoint(str(out)) == str(out / "checkpoint-1")
     assert gc.read_checkpoint_state(str(out / "checkpoint-1"))["data_position"] == 4
@@ -1883,7 +1883,7 @@ def test_rollout_weighs_rewards_and_masks_truncated_completions(monkeypatch):
 
 def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 1, 2, 3], factor=2)  # prompts 0 and 2 have constant rewards
-    assert [p[0] for p in batch.prompt_ids] == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
+    assert [p[0] for p in batch.sample_prompt_ids] == [101, 101, 103, 103]  # only prompts 1 and 3 are trained on
     assert batch.stats["zero_std"].tolist() == [0.0, 0.0] and batch.loss_mask.sum() == 6  # 1 + 2 tokens each
     generated = [batch.stats[k] for k in ("generated_groups", "varied_groups", "generated_tokens")]
     assert generated == [4, 2, 12]
@@ -1893,7 +1893,7 @@ def test_dynamic_sampling_keeps_only_varied_groups(monkeypatch):
 
 def test_dynamic_sampling_tops_up_with_masked_zero_std_groups(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [0, 1, 2, 4], factor=2)  # only prompt 1 varies: one filler group, masked out
-    assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]
+    assert [p[0] for p in batch.sample_prompt_ids] == [101, 101, 100, 100]
     assert batch.stats["zero_std"].tolist() == [0.0, 1.0]
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]  # the filler never reaches the loss
 
@@ -1915,13 +1915,13 @@ def test_dynamic_sampling_filters_on_one_reward(monkeypatch):
     assert torch.allclose(issue_example, torch.tensor([0.5, -1.5, 0.5, 0.5]) * 0.125 / 0.1251)
     funcs = (correct_on_even_prompts, length_penalty)
     batch = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs)  # on the first
-    assert [p[0] for p in batch.prompt_ids] == [101, 101, 100, 100]  # prompt 1, filler prompt 0
+    assert [p[0] for p in batch.sample_prompt_ids] == [101, 101, 100, 100]  # prompt 1, filler prompt 0
     assert batch.loss_mask.sum(1).tolist() == [1.0, 2.0, 0.0, 0.0]
     generated = [batch.stats[k] for k in ("generated_groups", "varied_groups", "generated_tokens")]
     assert generated == [4, 1, 12]  # varied: the informative groups
     by_length = stand_in_rollout(monkeypatch, [0, 2, 1, 4], factor=2, funcs=funcs,
                                  dynamic_sampling_reward="length_penalty")  # every group varies
-    assert [p[0] for p in by_length.prompt_ids] == [100, 100, 102, 102]
+    assert [p[0] for p in by_length.sample_prompt_ids] == [100, 100, 102, 102]
 
 
 def test_truncation_counts_the_pad_token_as_an_end(monkeypatch):
@@ -2062,8 +2062,8 @@ def fsdp_vs_ddp_ranks(model, out):
     completions = [torch.randint(1, 60, (int(torch.randint(1, 7, ()).item()),)).tolist()
                    for _ in range(8)]
     mask = model_mask_of(completions)
-    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=mask,
-                            loss_mask=mask.float(), trained=torch.ones(8, dtype=torch.bool),
+    batch = SimpleNamespace(sample_prompt_ids=prompts, completion_ids=completions, model_mask=mask,
+                            loss_mask=mask.float(), filler=torch.zeros(8, dtype=torch.bool),
                             advantages=torch.randn(8), vllm_logps=None, old_logps=None, ref_logps=None)
 
     def build(cfg, state=None):  # the trainer's own: the policy, AdamW (+ its state at a resume), the schedule
@@ -2094,7 +2094,7 @@ def fsdp_vs_ddp_ranks(model, out):
     from transformers import AutoTokenizer
 
     trainer = SimpleNamespace(lm=gc.unwrap(fsdp[0]).lm, policy=fsdp[0], optimizer=fsdp[1])
-    ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, trainer, AutoTokenizer.from_pretrained(model), 0, [])
+    ckpt = gc.save_checkpoint(fsdp_cfg, env, 2, trainer, AutoTokenizer.from_pretrained(model), 0, gc.rows_digest([]))
     # the resume as the trainer does it: the weights, AdamW's state, the schedule at step 2 (reading
     # the state checks the DCP metadata of FSDP2 too)
     resumed_cfg = dataclasses.replace(fsdp_cfg, resume_from_checkpoint=ckpt)
@@ -2170,8 +2170,8 @@ def packing_ranks(model, out):
     prompts = [tokens(8, 9) for _ in range(6)]
     completions = [tokens(40, 41) if env.rank == 0 and i < 2 else tokens(1, 4) for i in range(6)]
     mask = model_mask_of(completions)
-    batch = SimpleNamespace(prompt_ids=prompts, completion_ids=completions, model_mask=mask,
-                            loss_mask=mask.float(), trained=torch.ones(6, dtype=torch.bool),
+    batch = SimpleNamespace(sample_prompt_ids=prompts, completion_ids=completions, model_mask=mask,
+                            loss_mask=mask.float(), filler=torch.zeros(6, dtype=torch.bool),
                             advantages=torch.randn(6, generator=g), vllm_logps=None, old_logps=None,
                             ref_logps=None)
 
@@ -2244,7 +2244,7 @@ REQUIRED_KEYS = [
     "step", "lr", "reward", "reward_std", "rewards/accuracy_reward", "rewards/format_reward", "advantage_std",
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
-    "grad_norm", "logprob_gap", "is_weight/mean", "canary_gap", "time/generate", "time/reward", "time/logprobs",
+    "grad_norm", "sampled_gap", "is_weight/mean", "sampled_gap/rank_max", "time/generate", "time/reward", "time/logprobs",
     "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "completion_tokens_per_sec_per_gpu",
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
@@ -2305,16 +2305,16 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
         assert close(r["reward"], weighted, 1e-6, 1e-9), (r["reward"], weighted)
     assert "eval/accuracy_reward" in steps[-1]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 | reward"))  # the stdout line
-    assert all(label in line for label in (" trunc ", " clip ", " vllm_gap ", " sleep_wake ", " fwd_bwd ")), line
+    assert all(label in line for label in (" trunc ", " clip ", " sampled_gap ", " sleep_wake ", " fwd_bwd ")), line
 
 
 def test_e2e_engine_checked_every_step(two_rank_run):
     out, proc = two_rank_run
-    assert "canary sampled" in proc.stdout and "first push and parity check took" in proc.stdout
+    assert "checked on the sampled tokens" in proc.stdout and "first push and probe took" in proc.stdout
     for r in read_metrics(out):
         if "reward" in r:
-            assert "parity_gap" not in r and "time/parity" not in r  # the probe ran after the first push only...
-            assert 0 <= r["logprob_gap"] <= r["canary_gap"] < 1e-4  # ...the sampled tokens' gap every step (fp32)
+            assert "probe_gap" not in r and "time/probe" not in r  # the probe ran after the first push only...
+            assert 0 <= r["sampled_gap"] <= r["sampled_gap/rank_max"] < 1e-4  # ...the sampled tokens' gap every step (fp32)
             assert r["time/push"] > 0 and r["push_gb"] > 0.5  # 134.5M fp32 params
 
 
@@ -2356,7 +2356,7 @@ def test_e2e_resume_on_one_rank_reproduces_step_two(two_rank_run, tmp_path):
         "loss": (1e-4, 5e-5),
         "grad_norm": (1e-4, 0),
         "entropy": (1e-5, 0),
-        "logprob_gap": (0, 2e-6),
+        "sampled_gap": (0, 2e-6),
         "is_weight/mean": (1e-4, 0),
         "clip_ratio/region": (0, 1e-9),
     }
@@ -2394,7 +2394,7 @@ def test_e2e_resume_continues_adamw_and_the_schedule(tiny_model, tmp_path):
     steps = [r for r in read_metrics(whole) if "reward" in r]
     again = [r for r in read_metrics(resumed) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in again] == [2]
-    assert all(r["parity_gap"] < 1e-4 for r in steps + again)  # the probe after every push
+    assert all(r["probe_gap"] < 1e-4 for r in steps + again)  # the probe after every push
     assert steps[0]["kl"] < 1e-7 < steps[1]["kl"]  # the policy of step 1 is the reference
     # the same rollout, the same reference
     for key in ("lr", "reward", "loss", "kl", "grad_norm"):
@@ -2443,16 +2443,16 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
         "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
         "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
         "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
-    assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "canary sampled" in proc.stdout
+    assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "checked on the sampled tokens" in proc.stdout
     assert "INFO " in proc.stdout and "Failed to load weights" in proc.stdout  # --verbose: vLLM's logs are back
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
-    assert r["canary_gap"] < 1e-4 and "parity_gap" not in r  # top-p/top-k scored as sampled: the free canary
+    assert r["sampled_gap/rank_max"] < 1e-4 and "probe_gap" not in r  # top-p/top-k scored as sampled: the free canary
     assert "rewards/reward_len" in r and "rewards/format_reward" in r
-    assert r["logprob_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
+    assert r["sampled_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
     assert r["kl"] > 0  # ...after one update, so the policy has left the reference
     assert r["rewards/soft_overlong_punishment"] == -1.0  # every completion has max_completion_length tokens
@@ -2545,7 +2545,7 @@ for k, c in enumerate(c for out in first for c in out.outputs):
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
 stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, 4096, {{}}, 1)
-result["canary"] = stats["canary_gap"]
+result["canary"] = stats["sampled_gap/rank_max"]
 result["eval"] = gc.evaluate(llm, cfg, env, tokenizer, eval_rows, funcs, 1)
 print("RESULT", json.dumps(result))
 del engine, llm
@@ -2594,7 +2594,7 @@ def test_e2e_tools_on_two_ranks_then_a_resume_reproduces_the_next_step(tmp_path)
     assert "eval/accuracy_reward" in records[0] and "eval/accuracy_reward" in steps[-1]
     for r in steps:
         assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1, r
-        assert 0 <= r["tools/failure_frequency"] <= 1 and r["canary_gap"] < 1e-4
+        assert 0 <= r["tools/failure_frequency"] <= 1 and r["sampled_gap/rank_max"] < 1e-4
     rows = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
     assert any("</tool_call>\ntool\n" in row["completion"] for row in rows)  # a call, its result
     checkpoint = os.path.join(out, "checkpoint-1")
@@ -2609,7 +2609,7 @@ def test_e2e_tools_on_two_ranks_then_a_resume_reproduces_the_next_step(tmp_path)
             assert close(got[key], want[key], 1e-6), (key, got[key], want[key])
         elif key in ("loss", "grad_norm", "entropy", "is_weight/mean"):
             assert close(got[key], want[key], 1e-4), (key, got[key], want[key])
-        elif key == "logprob_gap":  # fp32 on both sides: noise around 0 (about 7e-7)
+        elif key == "sampled_gap":  # fp32 on both sides: noise around 0 (about 7e-7)
             assert close(got[key], want[key], atol=1e-6), (key, got[key], want[key])
 
 
@@ -2631,7 +2631,7 @@ def test_e2e_tools_tp2(tmp_path, monkeypatch):
                         "--eval_steps", "1", "--save_steps", "-1", "--output_dir", out])
     assert "world 2 = 1 engine(s) x tp 2" in proc.stdout
     r = [r for r in read_metrics(out) if "reward" in r][0]
-    assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1 and r["canary_gap"] < 1e-4, r
+    assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1 and r["sampled_gap/rank_max"] < 1e-4, r
     assert "eval/accuracy_reward" in r
 
 
@@ -2691,7 +2691,7 @@ def test_e2e_two_nodes_on_one_host(tiny_model, tmp_path):
     codes, logs = launch_two_nodes(tmp_path, [flags, flags])
     assert codes == [0, 0], [log[-4000:] for log in logs]
     assert "world 2 = 2 engine(s) x tp 1" in logs[0]
-    assert read_metrics(out)[-1]["canary_gap"] < 1e-4
+    assert read_metrics(out)[-1]["sampled_gap/rank_max"] < 1e-4
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert [r["local_rank"] for r in ranks] == ["0", "0"]
     assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
@@ -2748,9 +2748,9 @@ def test_gpu_one_rank_sleep_push_and_checks(tmp_path, flags, steps):
     for r in records:
         assert math.isfinite(r["grad_norm"]) and r["push_gb"] > 0.2  # 134.5M bf16 params
         if "--vllm_importance_sampling_correction" in flags:  # the probe, after every push
-            assert r["parity_gap"] < tolerance and "canary_gap" not in r
+            assert r["probe_gap"] < tolerance and "sampled_gap/rank_max" not in r
         else:  # the sampled tokens, every step
-            assert r["canary_gap"] < tolerance and "parity_gap" not in r
+            assert r["sampled_gap/rank_max"] < tolerance and "probe_gap" not in r
     if "--fsdp" in flags:
         assert "trainer FSDP2 + CPU offload" in proc.stdout
         assert "(auto: " in proc.stdout
@@ -2998,7 +2998,7 @@ def test_world8_cpu(world8, tp):
     assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean(), 1e-6, 1e-9)
     assert m["completion_length/min"] == m["completion_length/max"] == 8 and m["completion_clipped_ratio"] == 1
     assert close(m["completion_tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
-    assert m["canary_gap"] < 1e-4 and m["logprob_gap"] < 1e-3
+    assert m["sampled_gap/rank_max"] < 1e-4 and m["sampled_gap"] < 1e-3
     # the eval: 3 rows over 8 ranks, each scored once, the mean over the 3 (at step 0 and after step 1)
     evals = {r: [c for c in run.rewards[r] if len(c["row"]) == 1] for r in range(8)}
     records = [x for x in run.metrics if "eval/reward" in x]
@@ -3020,7 +3020,7 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
     run = world8.launch("resume2", 2, ["--vllm_tensor_parallel_size", "1", "--max_steps", "2", "--eval_steps", "0",
                                        "--resume_from_checkpoint", ckpt])
     assert [x["step"] for x in run.metrics] == [2]
-    assert run.metrics[0]["canary_gap"] < 1e-4 and math.isfinite(run.metrics[0]["grad_norm"])
+    assert run.metrics[0]["sampled_gap/rank_max"] < 1e-4 and math.isfinite(run.metrics[0]["grad_norm"])
     for path, step in ((ckpt, 1), (os.path.join(run.out, "checkpoint-2"), 2)):
         dcp_to_torch_save(os.path.join(path, "optimizer"), os.path.join(run.out, "optimizer.pt"))
         state = torch.load(os.path.join(run.out, "optimizer.pt"), weights_only=False)["optimizer"]["state"]
@@ -3078,7 +3078,7 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_pa
     assert os.path.isfile(os.path.join(out, "curves.png"))
     steps = [r for r in read_metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["canary_gap"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
+    assert all(r["sampled_gap/rank_max"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
     assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # B starts at 0: step 1's policy is the reference (the base)
     samples = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
     assert [r["step"] for r in samples] == [1, 1, 1, 2, 2, 2]  # 3 rows per logged step
@@ -3113,7 +3113,7 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_pa
         "loss": (1e-4, 1e-6),
         "kl": (1e-4, 1e-9),
         "grad_norm": (1e-4, 0),
-        "canary_gap": (0, 2e-6),
+        "sampled_gap/rank_max": (0, 2e-6),
         "entropy": (1e-5, 0),
     }
     for key, (rtol, atol) in tolerances.items():
@@ -3241,7 +3241,7 @@ def stale_engine_process(model, out):
     engine = gc.ColocatedEngine(llm, cfg, env, False, probe)
     policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg, False)
     engine.wake_and_push(policy, 0, {})  # the first push, checked on the probe
-    result = {"fresh": engine.info["parity_gap"]}
+    result = {"fresh": engine.info["probe_gap"]}
     funcs, weights = gc.load_reward_funcs(cfg)
 
     def sample(seeds, prompts, torch_seed=0):  # per-request seeds, as rollout passes them
@@ -3264,14 +3264,14 @@ def stale_engine_process(model, out):
         batch = gc.make_batch(cfg, env, tokenizer, rows[:1], samples, rewards, weights, counts)
         before = [p.detach().clone() for p in policy.parameters()]
         try:
-            gap = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, 4096, {}, step)["canary_gap"]
+            gap = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, 4096, {}, step)["sampled_gap/rank_max"]
         except RuntimeError as e:
             gap = str(e)
             optimizer.zero_grad(set_to_none=True)
         return gap, all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
     def probe_check(step):
-        return gc.check_gap(gc.parity_gap(llm, policy, probe, env), env, step, "the probe")
+        return gc.check_gap(gc.probe_gap(llm, policy, probe, env), env, step, "the probe")
 
     # one optimizer step on the trainer and NO push: the engine is stale
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-5)
@@ -3342,7 +3342,7 @@ def test_filler_groups_do_not_count_as_sequences(monkeypatch):
     the sequence normalisers (grpo, sapo, dr_grpo) count the trained sequences only, so the varied
     groups' gradient does not shrink by varied / all."""
     batch = stand_in_rollout(monkeypatch, [1, 0, 2, 4], 2)  # only prompt 1's group varies: + 1 filler
-    assert batch.trained.tolist() == [True, True, False, False]
+    assert (~batch.filler).tolist() == [True, True, False, False]
     for loss_type in ("grpo", "sapo", "dr_grpo"):
         count, scale = gc.loss_normaliser(loss_type, batch, cpu_env(), 1)
         assert count == 2 and scale == 1.0, loss_type  # not 4
@@ -3355,14 +3355,14 @@ def test_a_step_of_filler_groups_alone_has_loss_zero(monkeypatch):
     group is a filler, the global count 0 is taken as 1, and each loss type gives loss 0, not 0/0
     (a NaN that skipped the step, and three in a row stopped the run)."""
     batch = stand_in_rollout(monkeypatch, [0, 2, 4, 6], 2)  # even prompts: no group varies
-    assert not batch.trained.any()
+    assert batch.filler.all()
     T = batch.loss_mask.shape[1]
     logps = torch.full((4, T), -1.0, requires_grad=True)
     for loss_type in gc.NORMALISERS:
         count, _ = gc.loss_normaliser(loss_type, batch, cpu_env(), 1)
         cfg = gc.Config(loss_type=loss_type, num_generations=2)
         loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(4), batch.loss_mask, cfg,
-                               keep=torch.ones(4, T), global_count=count)
+                               entropy_mask=torch.ones(4, T), global_count=count)
         assert count in (None, 1) and loss.item() == 0.0, loss_type
         loss.backward()
         assert torch.isfinite(logps.grad).all(), loss_type
@@ -3412,7 +3412,7 @@ def test_logged_means_as_trl(world_of_one):
              "generated_groups": 2, "varied_groups": 2, "generated_tokens": 12, "prompt_tokens": 8,
              "tool_calls": 0, "tool_failures": 0, "turns": 4}
     train_stats = {"loss": 0.0, "tokens": 6.0, "completion_tokens": 12.0, "entropy": 3.0,
-                   "logprob_gap": 0.5, "gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
+                   "sampled_gap": 0.5, "gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
                    "clip_ratio/region": 0.0, "grad_norm": 1.0, "skipped": 0.0}
     funcs = [SimpleNamespace(__name__="a"), SimpleNamespace(__name__="b")]
     ledger = {"fwd_bwd": 1.0, "optimizer": 1.0}
@@ -3420,7 +3420,7 @@ def test_logged_means_as_trl(world_of_one):
                           {}, funcs)
     assert m["reward"] == 1.0 and m["reward_std"] == 0.0  # over the 3 scored completions
     assert m["rewards/a"] == 2 / 3 and m["rewards/b"] == 1.0  # each over what it scored
-    assert m["entropy"] == 0.5 and m["logprob_gap"] == 0.1  # / loss tokens, / tokens with a vLLM logprob
+    assert m["entropy"] == 0.5 and m["sampled_gap"] == 0.1  # / loss tokens, / tokens with a vLLM logprob
 
 
 def test_train_step_entropy_and_gap_over_their_tokens(world_of_one, monkeypatch):
@@ -3591,7 +3591,7 @@ def test_prefix_cache_reset_after_the_probe_and_the_eval(smol_tokenizer, world_o
     """Issue 35 item g: the probe's and the eval's KV blocks would serve the next rollout's prefix
     hits (a resume at an eval step would not be exact in bf16): both reset the prefix cache."""
     engine = PrefixRecorder()
-    gc.parity_gap(engine, gc.Policy(tiny_llama(vocab=len(smol_tokenizer))), [1, 2, 3], cpu_env())
+    gc.probe_gap(engine, gc.Policy(tiny_llama(vocab=len(smol_tokenizer))), [1, 2, 3], cpu_env())
     assert engine.resets == 1
     rows = [{"prompt": "p", "answer": "1", "prompt_ids": [10, 11]}]
     cfg = gc.Config(reward_funcs=["reward_len"])
@@ -3643,7 +3643,7 @@ def test_e2e_lora_dropout_checks_every_step_and_resumes_with_your_rates(tiny_mod
              "--reward_funcs", "reward_len", "--learning_rate", "1e-2", "--eval_steps", "0", "--max_steps", "2"]
     run_trainer([*flags, "--save_steps", "1", "--output_dir", out], nproc=1)
     steps = [r for r in read_metrics(out) if "reward" in r]
-    assert [r["step"] for r in steps] == [1, 2] and all(r["canary_gap"] < 1e-4 for r in steps)
+    assert [r["step"] for r in steps] == [1, 2] and all(r["sampled_gap/rank_max"] < 1e-4 for r in steps)
     ckpt = os.path.join(out, "checkpoint-1")
     without = [f for f in flags if f != "--use_peft"]
     with pytest.raises(gc.ConfigError, match="^--use_peft: is False, but the checkpoint.s run had True"):

@@ -167,7 +167,7 @@ def sleep_bench(out, argv):
     ledger = {}
     engine.sleep(ledger)  # as the trainer does: the engine sleeps (level 2) while the policy loads, then gets it pushed
     engine.wake_and_push(policy, 0, ledger)
-    report["parity_gap_before_training"] = engine.info["parity_gap"]
+    report["parity_gap_before_training"] = engine.info["probe_gap"]
     per_rank = cfg.completions_per_rank // cfg.num_generations
     batch = one_rollout(llm, cfg, env, tokenizer, rows, 0, funcs, weights)
     llm.sleep(level=2)
@@ -176,20 +176,20 @@ def sleep_bench(out, argv):
     llm.wake_up(tags=["weights"])  # ...and NO push: the engine's weights were discarded by the level-2 sleep
     llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
-    gap = gc.parity_gap(llm, policy, probe, env)
+    gap = gc.probe_gap(llm, policy, probe, env)
     report["parity_gap_level2_wake_without_push"] = gap
     report["skipped_push_caught"] = not gap <= gc.PARITY_TOLERANCE[env.dtype]
     try:  # the canary of every step: a rollout from the stale engine, scored by train_step before its update
         stale = one_rollout(llm, cfg, env, tokenizer, rows, per_rank, funcs, weights)
         report["sampled_gap_stale_missed"] = gc.train_step(policy, optimizer, scheduler, stale, cfg, env, 8192,
-                                                           ledger, 1)["canary_gap"]
+                                                           ledger, 1)["sampled_gap/rank_max"]
     except RuntimeError as e:  # expected: "step 1: vLLM and the trainer disagree on the tokens vLLM sampled ..."
         report["sampled_gap_stale_caught"] = str(e).split(". The engine")[0]
     optimizer.zero_grad(set_to_none=True)
     engine.sleep(ledger)
     engine.pushes = 0  # the probe checks this push too
     engine.wake_and_push(policy, 1, ledger)
-    report["parity_gap_after_push"] = engine.info["parity_gap"]
+    report["parity_gap_after_push"] = engine.info["probe_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)
@@ -208,9 +208,9 @@ def summarize(name, metrics_path, standalone_path, skip=2):
     if os.path.exists(standalone_path):
         alone = json.load(open(standalone_path))
     step = med("time/step")
-    phases = ["generate", "reward", "logprobs", "fwd_bwd", "optimizer", "push", "sleep_wake", "parity"]
+    phases = ["generate", "reward", "logprobs", "fwd_bwd", "optimizer", "push", "sleep_wake", "probe"]
     split = {p: med(f"time/{p}") for p in phases}
-    colocation = split["push"] + split["sleep_wake"] + split["parity"]
+    colocation = split["push"] + split["sleep_wake"] + split["probe"]
     other = step - split["generate"] - split["fwd_bwd"] - split["optimizer"] - split["logprobs"]
     row = {
         "name": name, "steps": len(steps), "step_s": step, **{f"{p}_s": v for p, v in split.items()},

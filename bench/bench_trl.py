@@ -293,7 +293,7 @@ def compare(ours_path: str, trl_path: str, name: str, skip: int = 2):
 
     row = {"name": name}
     # TRL's train: all the rest of its step. "sleep" and our "train": the same phases in files written before issue 17
-    runs = (("ours", ours_path, ("push", "sleep_wake", "sleep", "parity"), ("fwd_bwd", "train", "optimizer")),
+    runs = (("ours", ours_path, ("push", "sleep_wake", "sleep", "probe"), ("fwd_bwd", "train", "optimizer")),
             ("trl", trl_path, ("push", "sleep_wake", "sleep"), ("train",)))
     for who, path, colocation, train in runs:
         steps = load(path)

@@ -167,7 +167,7 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
         torch.save(logps, ref_path)
     elif os.path.exists(ref_path):
         drift = ((logps - torch.load(ref_path)).abs() * mask).sum().item() / mask.sum().item()
-    tokens = sum(map(len, batch.prompt_ids)) + sum(map(len, batch.completion_ids))
+    tokens = sum(map(len, batch.sample_prompt_ids)) + sum(map(len, batch.completion_ids))
     times = []
     for step in range(steps):
         gc.cuda_sync(env)

@@ -141,8 +141,8 @@ def random_batch(gc, lengths="fixed", batch=BATCH):
     # model_mask [N, T] as make_batch builds it: 1 on the tokens the model wrote (all here), left-aligned
     model_mask = torch.nn.utils.rnn.pad_sequence([torch.ones(n, dtype=torch.long) for n in lens], batch_first=True)
     vllm_logps = torch.zeros(model_mask.shape).masked_fill(model_mask.bool(), float("nan"))
-    return SimpleNamespace(prompt_ids=prompt_ids, completion_ids=completion_ids, model_mask=model_mask,
-                           loss_mask=model_mask.float(), trained=torch.ones(P * G, dtype=torch.bool),
+    return SimpleNamespace(sample_prompt_ids=prompt_ids, completion_ids=completion_ids, model_mask=model_mask,
+                           loss_mask=model_mask.float(), filler=torch.zeros(P * G, dtype=torch.bool),
                            advantages=torch.randn(P * G, generator=g), vllm_logps=vllm_logps, old_logps=None,
                            ref_logps=None)
 
@@ -159,7 +159,7 @@ def one(shape, lengths, variant, profile=None, steps=6, batch=BATCH):
     optimizer, scheduler = optimizer_and_scheduler(cfg, env, policy)
 
     batch = random_batch(gc, lengths, batch)
-    tokens = sum(map(len, batch.prompt_ids)) + sum(map(len, batch.completion_ids))
+    tokens = sum(map(len, batch.sample_prompt_ids)) + sum(map(len, batch.completion_ids))
     times, compile_s = [], None
     for step in range(steps):
         ledger = {}
