@@ -1,7 +1,8 @@
 """grpo_colocate.py: GRPO for LLMs with vLLM colocated in every training process, in plain PyTorch.
 
 Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU (no server, no
-GPU set aside for inference), asleep while the trainer works, given the new weights after each step.
+GPU set aside for inference), asleep while the trainer works where that saves time, given the new
+weights after each step. --report_to wandb / tensorboard streams the metrics (README: Watching).
 
 Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
     python grpo_colocate.py                       # one process: 1 GPU, or the CPU
@@ -178,10 +179,10 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows) of this rank: per_rank prompts (run's prompts_drawn) from position, the
+    """(positions, rows) of this rank's per_rank prompts (run's prompts_drawn). position: the
     prompts all ranks drew so far (run's data_position, which grows by world x per_rank at each
-    generation). Rank r takes the r-th per_rank positions; position i is row perm_e[i mod |rows|] of
-    epoch e = i // |rows|. Positions count all ranks' prompts, so a resume works on any world."""
+    generation); rank r takes the r-th per_rank positions after it. Position i is row
+    perm_e[i mod |rows|] of epoch e = i // |rows|: any world size resumes at the same prompts."""
     positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
     step_rows = []
     for i in positions:
@@ -369,7 +370,7 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", bat
     The batch's std spans batch_rewards (default: rewards): make_batch passes every rank's.
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
-    it once dynamic sampling has picked the groups (and gathers every rank's rewards for "batch")."""
+    it once dynamic sampling has picked the groups (and gathers every rank's rewards: "batch")."""
     grouped = rewards.view(-1, G)  # [P, G]
     advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
@@ -438,7 +439,8 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
     if cfg.mask_truncated_completions:
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
 
-    # vLLM's logprob of each token it sampled, for the IS correction (and the canary)
+    # vLLM's logprob of each token it sampled, for the IS correction (and the canary): the ones of
+    # model_mask, row by row, are exactly the tokens vLLM sampled, in order
     vllm_logps = None
     if cfg.vllm_importance_sampling_correction:
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
@@ -485,8 +487,8 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
     global count: each micro-batch is a mean of its own tokens, and the micro-batches that hold a
     loss token (fillers' do not) on every rank are averaged: micro_batch_weight = world / their
     number (the world undoes DDP's average again). The entropy bonus weighs its micro-batches so.
-    The logged loss: train_step sums loss x loss_scale over the micro-batches, reduce_metrics over
-    the ranks / world: the global batch's loss (bnpo: its mean over micro-batches).
+    The logged loss: train_step sums loss x loss_scale (less the entropy bonus, as TRL logs it)
+    over the micro-batches, reduce_metrics over the ranks / world: the global batch's loss.
     No loss token on any rank (fillers alone): loss 0, not 0 / 0, and weight 0: no update.
     Example, dapo on 2 ranks: 300 and 100 loss tokens; each micro-batch divides its sum by 400
     and is scaled by 2; DDP halves the summed gradients: the token mean of all 400 tokens."""
@@ -518,7 +520,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         e_t  = [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
     cispo and sapo (TRL 1.16's) take the place of the min(...) term:
         cispo    -sg(min(r_t, cispo_cap)) A logp_t          sg: no gradient (MiniMax-M1)
-        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A        tau: sapo_temperature_pos if A > 0
+        sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A        tau: sapo_temperature_pos (A > 0) or _neg
     eps_low: --epsilon; eps_high: --epsilon_high (or epsilon); cispo_cap: --epsilon_high (or 5).
     global_count: the global batch's sequences or tokens (loss_normaliser); None: this
     micro-batch's. Returns (loss, the detached token means of the clip indicators and the KL)."""
@@ -585,13 +587,13 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     return loss, stats
 
 
-def vllm_importance_weights(trainer_logps, vllm_logps, mask, mode="sequence_mask", clip_max=3.0):
+def vllm_importance_weights(old_logps, vllm_logps, model_mask, mode="sequence_mask", clip_max=3.0):
     """Correct for vLLM's sampler not being exactly the trainer's policy (kernels, bf16 weights):
         w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [B, T]; sequence level: [B, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)    *_mask: 0 where w > clip_max (masked)
-    trainer_logps: the policy that sampled, i.e. old_logps (see train_step); all inputs [B, T]."""
+    old_logps: the trainer's logprobs of the policy that sampled (see train_step); all [B, T]."""
     # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
-    diff = ((trainer_logps - vllm_logps) * mask).nan_to_num(nan=0.0)  # [B, T]
+    diff = ((old_logps - vllm_logps) * model_mask).nan_to_num(nan=0.0)  # [B, T]
     if mode.startswith("sequence"):
         diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
     weights = torch.exp(diff)
@@ -610,7 +612,7 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
     return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
-# ---- 4b. Per-token logprobs: what the loss needs from the policy, without [L, V] logits at once ----
+# ---- 4b. Per-token logprobs: what the loss needs from the policy, no [L, V] logits at once ----
 # On a first read, Policy's docstring says what is computed; TokenLogprobs and the kernels after it
 # compute exactly that, faster, and can wait.
 class Policy(nn.Module):
@@ -786,16 +788,16 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
     """Policy's packed inputs: the sequences in ONE row, no padding, positions from 0 in each.
     completion_index: the packed columns of the scored tokens (model_mask 1), in row-major order."""
     ids = []
-    positions = []
+    token_positions = []
     starts = []
     index = []
     for p, c, scored in zip(prompts, completions, model_mask.tolist()):
         starts.append(len(ids))
         index += [len(ids) + len(p) + t for t in range(len(c)) if scored[t]]
         ids += p + c
-        positions += range(len(p) + len(c))
+        token_positions += range(len(p) + len(c))
     input_ids = torch.tensor([ids], device=device)  # [1, L]
-    position_ids = torch.tensor([positions], device=device)  # [1, L]: from 0 in each sequence
+    position_ids = torch.tensor([token_positions], device=device)  # [1, L]: from 0 in each sequence
     cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [B + 1]: starts, then L
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
     completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]
@@ -980,9 +982,9 @@ def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
     return (trainer_logps[0].float().cpu() - torch.tensor(vllm_logps)).abs().mean().item()
 
 
-# The mean |logp gap| allowed. Measured: ~1e-5 in fp32 and 0.04-0.17 in bf16 when the engine holds the
-# trainer's weights; 7.1 after a level-2 wake without a push. So the check catches an engine that never
-# got the weights or a name that missed them; in bf16 an engine one step behind passes it.
+# The mean |logp gap| allowed. Measured: ~1e-5 in fp32 and 0.04-0.17 in bf16 when the engine holds
+# the trainer's weights; 7.1 after a level-2 wake without a push. So the check catches an engine
+# that never got the weights or a name that missed them; in bf16 an engine one step behind passes.
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 
@@ -1011,10 +1013,11 @@ class ColocatedEngine:
     The loop (run) sleeps it after each rollout, once the trainer's turn comes, and wakes it with
     the push after the optimizer step that ends a --num_iterations cycle (after the save); an eval
     in the middle of a cycle wakes and pushes, evaluates, then sleeps again.
-    The check of a push: the probe (probe_gap) after the first and the last push, which proves
-    every name reaches vLLM, and after every push when the IS correction is off. With it on,
-    train_step's canary checks the tokens vLLM sampled at every step instead (those logprobs are
-    computed anyway; micro_batch_sums sums their gap), before the update."""
+    The check of a push: the probe (probe_gap) after the first and the last push (the last is
+    followed by no step), which proves every name reaches vLLM, and after every push when the IS
+    correction is off. With it on, train_step's canary checks every push at the next step, on the
+    tokens its weights sampled (those logprobs are computed anyway; micro_batch_sums sums their
+    gap), before the update."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
@@ -1091,6 +1094,8 @@ def run(cfg: Config, env, inputs, trackers=()):
         record = {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)}
         log_metrics(cfg, env, record, trackers)
 
+    # The loop. What lives across steps: the data position, the batch (a new one every
+    # num_iterations steps), the skipped-step counters and the step times (for the step line).
     started = time.time()
     step_times = []  # this process's steps, in seconds
     batch = None  # the current generation batch, trained on num_iterations times
@@ -1448,7 +1453,7 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=True) -> nn.Module:
     """The policy (or the frozen reference) on this rank: whole under DDP, sharded under FSDP2."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md, "The train phase")
+    # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md: train phase)
     for layer in lm.get_decoder().layers if compiled(env.device) else ():
         for name, module in layer.named_children():
             if name == "mlp" or name.endswith("norm"):
@@ -1504,7 +1509,7 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
     torch.use_deterministic_algorithms(cfg.full_determinism)
 
     # the policy: the model's weights, or a resume's (LoRA: the base; its adapter, add_lora's).
-    # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md, "Logprob precision")
+    # LoRA's frozen base stays fp32: bf16 widens the vLLM gap 1.5x at 1.5B (BENCHMARKS.md: precision)
     load_to = "cpu" if cfg.fsdp else env.device  # FSDP2 moves it to the GPU a layer at a time
     meta = cfg.fsdp and not env.is_main  # FSDP2: rank 0 alone reads the weights (wrap_policy)
     weights = cfg.resume_from_checkpoint if state and not cfg.use_peft else cfg.model
@@ -1700,7 +1705,7 @@ def check_model(cfg: Config, model_config) -> int:
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.trust_remote_code)
     head = lm.get_output_embeddings()
-    # what the trainer's logprobs leave out: refused rather than trained wrong (the probe would stop)
+    # what the trainer's logprobs leave out: refused, not trained wrong (the probe would stop it)
     need(getattr(head, "bias", None) is None, "model", "its lm_head has a bias (Phi-2, GPT-J)")
     for scale in ("logits_scaling", "logit_scale", "dim_model_base"):  # Granite, Cohere, MiniCPM
         scaled = getattr(model_config, scale, None) not in (None, 1)
@@ -1841,8 +1846,8 @@ def prepare_data(cfg: Config):
 
 
 # ---- D. Checkpoints: written atomically, read without running code, resumed on any world size ----
-# What a resume (--resume_from_checkpoint DIR, or latest) restores, and where (a checkpoint saved in
-# the middle of a --num_iterations cycle resumes with a new rollout; the skipped-step count restarts):
+# What a resume (--resume_from_checkpoint DIR, or latest) restores, and where (a checkpoint saved
+# in the middle of a --num_iterations cycle resumes with a new rollout; the skipped count restarts):
 #   - the weights: the checkpoint's HF weights (LoRA: the base model and the saved adapter), in
 #     build_trainer and add_lora; the engine gets them at run's first push;
 #   - AdamW's moments (load_optimizer, resharded to this run's world size); the step, so the lr

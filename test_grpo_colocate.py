@@ -2335,7 +2335,8 @@ def test_e2e_engine_checked_every_step(two_rank_run):
     assert "checked on the sampled tokens" in proc.stdout and "first push and probe took" in proc.stdout
     for r in read_metrics(out):
         if "reward" in r:
-            assert "probe_gap" not in r and "time/probe" not in r  # the probe ran after the first push only...
+            # the probe ran after the first push, and after the last (step 2's) alone...
+            assert ("probe_gap" in r) == ("time/probe" in r) == (r["step"] == 2)
             assert 0 <= r["sampled_gap"] < 1e-4  # ...the sampled tokens' gap every step (fp32)
             assert r["time/push"] > 0
 
@@ -2472,7 +2473,7 @@ def test_e2e_tp2_tiny_llama_with_other_flags(tiny_model, tmp_path):
     assert [r["step"] for r in steps] == [2]  # logging_steps 2
     r = steps[0]
     assert r["completion_length/min"] == r["completion_length/max"] == 16  # ignore_eos: fixed length
-    assert r["sampled_gap"] < 1e-4 and "probe_gap" not in r  # top-p/top-k scored as sampled: the free canary
+    assert r["sampled_gap"] < 1e-4 and r["probe_gap"] < 1e-4  # top-p/top-k scored as sampled; the last push probed
     assert "rewards/reward_len" in r and "rewards/format_reward" in r
     assert r["sampled_gap"] < 1e-3  # top_p 0.9 / top_k 50: the trainer scores the kept set vLLM sampled from
     assert "time/generate" not in r  # num_iterations 2: step 2 reuses step 1's rollout...
@@ -2768,7 +2769,7 @@ def test_gpu_one_rank_sleep_push_and_checks(tmp_path, flags, steps):
         if "--vllm_importance_sampling_correction" in flags:  # the probe, after every push
             assert r["probe_gap"] < tolerance and "sampled_gap" not in r
         else:  # the sampled tokens, every step
-            assert r["sampled_gap"] < tolerance and "probe_gap" not in r
+            assert r["sampled_gap"] < tolerance and ("probe_gap" in r) == (r["step"] == steps)  # the last push: probed
     if "--fsdp" in flags:
         assert "trainer FSDP2" in proc.stdout
         assert "(auto: " in proc.stdout
@@ -3532,6 +3533,21 @@ def test_tool_calls_per_turn_are_capped(smol_tokenizer, world_of_one):
     counts = gc.tool_turns(engine, cfg, SimpleNamespace(tp=1, rank=0), smol_tokenizer, [[1, 2]], samples,
                            TurnParams())
     assert counts["tool_calls"] == rf.MAX_CALLS_PER_TURN == 8 and counts["tool_failures"] == 0
+
+
+def test_tool_turns_give_every_call_the_rollouts_deadline(smol_tokenizer, world_of_one, monkeypatch):
+    """tool_turns gives every call of a rollout one deadline, a quarter of --ddp_timeout from its
+    start (call_tool then fails every call past it at once)."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    turn = smol_tokenizer(call * 3, add_special_tokens=False)["input_ids"] + [smol_tokenizer.eos_token_id]
+    samples = [gc.add_turn(SimpleNamespace(token_ids=turn, finish_reason="stop", logprobs=None))]
+    deadlines = []
+    real = rf.call_tool
+    monkeypatch.setattr(rf, "call_tool", lambda tools, c, deadline=math.inf: deadlines.append(deadline) or real(tools, c))
+    cfg = gc.Config(tools=["calculator"], max_tool_calling_iterations=1, max_completion_length=4096, ddp_timeout=400)
+    start = time.monotonic()
+    gc.tool_turns(StandInEngine(), cfg, SimpleNamespace(tp=1, rank=0), smol_tokenizer, [[1, 2]], samples, TurnParams())
+    assert len(deadlines) == 3 and len(set(deadlines)) == 1 and start < deadlines[0] <= time.monotonic() + 100
 
 
 def test_a_template_that_cannot_render_a_tool_result_is_refused_at_start(tmp_path):
