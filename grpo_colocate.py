@@ -13,6 +13,9 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
 Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
+A first reading of one step: rows_for_step, rollout and generate, make_batch, compute_advantages,
+NORMALISERS and loss_normaliser, grpo_loss, Policy's docstring, train_step, ColocatedEngine, run;
+4b's kernels and the appendix can wait.
 Shapes: P prompts, G completions each, N = P G, T the longest completion, L a packed micro-batch's
 tokens, H the hidden size, V the vocabulary, R reward functions.
 

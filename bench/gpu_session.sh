@@ -48,6 +48,8 @@
 #             sleep1  the trainer (run.sh bench, STANDALONE=0, 8 steps), --vllm_enable_sleep_mode true vs false:
 #                     SmolLM2 fixed 256 tokens, SmolLM2 natural stops (V); sleep2: the 1.5B shape fixed; sleep: all
 #                     three (too long for one call on an H100). Each run ends by S13_DEADLINE (550 s) or is skipped.
+#   s14       2 GPUs, after staging: the tests marked gpu but the 2-GPU ones (GPU 0) beside run.sh's GPU default for
+#             20 steps (GPU 1); S14_FSDP=1: the 2-GPU --full_determinism test under FSDP2
 #                     Results: $OUT/s13-STEP.tar.gz (metrics, logs), s13-STEP-ledger.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -359,7 +361,7 @@ s14)
   # S14_FSDP=1, the 2-GPU --full_determinism test under FSDP2 (rank 0 alone reads the weights, then the checkpoint)
   versions | tee "$OUT/s14-versions.txt"
   if [ "${S14_FSDP:-0}" = 1 ]; then
-    timeout 540 bash run.sh test --gpu -v -rs -k "full_determinism and fsdp" > "$OUT/s14-fsdp-tests.txt" 2>&1
+    timeout 540 bash run.sh test --gpu -v -rs -k "repeats_two_rank_runs and trainer1" > "$OUT/s14-fsdp-tests.txt" 2>&1
     tail -4 "$OUT/s14-fsdp-tests.txt"
   else
     (CUDA_VISIBLE_DEVICES=1 timeout 420 bash run.sh --model "$SMOL" --max_steps 20 --eval_steps 20 \
