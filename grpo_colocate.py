@@ -904,7 +904,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
 
     with timed(ledger, "optimizer", env):
-        # ||g|| over the whole model (FSDP2: reduced over ranks, on the GPU though CPU-offloaded)
+        # ||g|| over the whole model (FSDP2: its shards' norms reduced over the ranks)
         params = [p for p in policy.parameters() if p.grad is not None]
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         grad_norm = full_tensor(grad_norm, torch.float32, env.device)
@@ -2270,7 +2270,7 @@ def check_inputs(argv=None):
                  f"the checkpoint's ({state['rows']}): resume with its data and chat template")
 
         # the memory plan; what every rank must share (agree_at_start): its flags, but the paths
-        # each node may name its own way, and the facts of its files, versions and plan (FACTS)
+        # each node may name its own way, and the facts of its files, device, versions and plan
         plan = memory_plan(cfg, env, model_config, num_params)
         local = ("model", "dataset", "output_dir", "resume_from_checkpoint")
         packages = importlib.metadata.packages_distributions()

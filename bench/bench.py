@@ -167,7 +167,7 @@ def sleep_bench(out, argv):
     ledger = {}
     engine.sleep(ledger)  # as the trainer does: the engine sleeps (level 2) while the policy loads, then gets it pushed
     engine.wake_and_push(policy, 0, ledger)
-    report["parity_gap_before_training"] = engine.info["probe_gap"]
+    report["probe_gap_before_training"] = engine.info["probe_gap"]
     per_rank = cfg.completions_per_rank // cfg.num_generations
     batch = one_rollout(llm, cfg, env, tokenizer, rows, 0, funcs, weights)
     llm.sleep(level=2)
@@ -177,7 +177,7 @@ def sleep_bench(out, argv):
     llm.wake_up(tags=["kv_cache"])
     llm.reset_prefix_cache()
     gap = gc.probe_gap(llm, policy, probe, env)
-    report["parity_gap_level2_wake_without_push"] = gap
+    report["probe_gap_level2_wake_without_push"] = gap
     report["skipped_push_caught"] = not gap <= gc.PARITY_TOLERANCE[env.dtype]
     try:  # the canary of every step: a rollout from the stale engine, scored by train_step before its update
         stale = one_rollout(llm, cfg, env, tokenizer, rows, per_rank, funcs, weights)
@@ -189,7 +189,7 @@ def sleep_bench(out, argv):
     engine.sleep(ledger)
     engine.pushes = 0  # the probe checks this push too
     engine.wake_and_push(policy, 1, ledger)
-    report["parity_gap_after_push"] = engine.info["probe_gap"]
+    report["probe_gap_after_push"] = engine.info["probe_gap"]
     report["push_s"] = ledger["push"] / 2
     print(json.dumps(report, indent=1), flush=True)
     json.dump(report, open(out, "w"), indent=1)
@@ -220,7 +220,6 @@ def summarize(name, metrics_path, standalone_path, skip=2):
         "colocation_overhead": colocation / step, "not_generate_or_train": other / step,
         "mfu": med("mfu"), "peak_alloc_gib": max(m.get("memory/peak_allocated_gib", 0) for m in steps),
         "device_used_gib": max(m.get("memory/device_used_gib", 0) for m in steps),
-        "push_gb": med("push_gb"), "push_gb_per_s": med("push_gb") / max(split["push"], 1e-9),
         "push_extra_gib": max(m.get("memory/push_extra_gib", 0) for m in steps),
     }
     print("| " + " | ".join([

@@ -122,7 +122,7 @@ def optimizer_and_scheduler(cfg, env, policy):
             (no_decay if exempt else decay)["params"].append(p)
     groups = [g for g in (decay, no_decay) if g["params"]]
     optimizer = torch.optim.AdamW(groups, lr=cfg.learning_rate,
-                                  fused=env.device.type == "cuda" and not cfg.fsdp_cpu_offload)
+                                  fused=env.device.type == "cuda")
     schedule = {"constant": "constant_with_warmup"}.get(cfg.lr_scheduler_type, cfg.lr_scheduler_type)
     return optimizer, get_scheduler(schedule, optimizer, cfg.warmup_steps, cfg.max_steps)
 
