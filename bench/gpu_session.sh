@@ -51,6 +51,16 @@
 #   s14       2 GPUs, after staging: the tests marked gpu but the 2-GPU ones (GPU 0) beside run.sh's GPU default for
 #             20 steps (GPU 1); S14_FSDP=1: the 2-GPU --full_determinism test under FSDP2
 #                     Results: $OUT/s13-STEP.tar.gz (metrics, logs), s13-STEP-ledger.md
+#   s15 STEPS four GPUs, after staging (BENCHMARKS.md "Four GPUs"): STEPS of
+#             make    the 1.5B and the 7B shapes (7B: bf16 on GPU 0, about 15 GB on disk)
+#             scale   the 1.5B shape, 32 x 8 completions per rank, 8 steps, under bench/phases.py (a per-rank
+#                     timeline): 1 GPU, DDP x 4, FSDP2 x 4, tp 2 x dp 2 (VARIANTS=... passes A/B switches to it)
+#             gen     vLLM alone (bench.py standalone) on the 1.5B shape: 256 and 512 sequences on one GPU, 512 on
+#                     tp 2: does tensor parallelism make one engine faster at this size?
+#             ddpvar  DDP x 4 again, under S15_VARIANTS (default gcfreeze)
+#             7b      the docstring's 7B line at half width: torchrun 4 GPUs, tp 2, --fsdp, the defaults (16 x 8
+#                     completions per rank), 5 steps; host and GPU memory sampled every 5 s
+#                     Results: $OUT/s15-STEP.tar.gz (timelines, logs, metrics) and s15-STEP.txt
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -285,6 +295,58 @@ s13)
     tar -czf "$OUT/s13-$step.tar.gz" -C /tmp s13-$step
     cat "$OUT/s13-$step-ledger.md"; echo "== s13 $step: ${SECONDS}s" ;;
   esac; done ;;
+s15)
+  shift
+  M7=$HOME/.cache/grpo_colocate/qwen2.5-7b-random
+  for step in "$@"; do
+    D=/tmp/s15-$step; rm -rf $D; mkdir -p $D; T=$OUT/s15-$step.txt; SECONDS=0
+    case $step in
+    make)
+      versions | tee $T
+      [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 | tee -a $T
+      [ -f "$M7/config.json" ] || python3 bench/bench.py make-model qwen2.5-7b "$M7" "$SMOL" 2>&1 | tail -1 | tee -a $T
+      echo "made in ${SECONDS}s" | tee -a $T ;;
+    scale|ddpvar)
+      setups=("1 one" "4 ddp" "4 fsdp --fsdp" "4 tp2 --vllm_tensor_parallel_size 2")
+      [ $step = ddpvar ] && setups=("4 ddp-${S15_VARIANTS:-gcfreeze}")
+      for setup in "${setups[@]}"; do
+        read -r n name flags <<< "$setup"
+        left=$(( ${S15_DEADLINE:-580} - SECONDS )); [ $left -lt 90 ] && { echo "== $name skipped" | tee -a $T; continue; }
+        echo "== $name: $n GPUs $flags (${SECONDS}s)" | tee -a $T
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) VARIANTS=$([ $step = ddpvar ] && echo "${S15_VARIANTS:-gcfreeze}") \
+          timeout -k 10 $(( left < 200 ? left : 200 )) python3 -m torch.distributed.run --standalone --nproc_per_node $n \
+          bench/phases.py $D/$name --model "$M15" "${W[@]}" $flags --output_dir $D/$name/out > $D/$name.log 2>&1 \
+          || echo "   FAILED: $(tail -3 $D/$name.log)" | tee -a $T
+        grep -h "^engine: \|^memory\|^step 8/" $D/$name.log | cut -c1-400 | tee -a $T
+        python3 bench/phases.py report $D/$name 3 2>&1 | tee -a $T
+      done ;;
+    gen)
+      for setup in "1 256 32" "1 512 64" "2 tp2-512 32 --vllm_tensor_parallel_size 2"; do
+        read -r n name per flags <<< "$setup"
+        echo "== $name: $n GPUs, $per x 8 per rank $flags (${SECONDS}s)" | tee -a $T
+        # shellcheck disable=SC2086
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 150 python3 -m torch.distributed.run --standalone \
+          --nproc_per_node $n bench/bench.py standalone $D/$name.json --model "$M15" "${W[@]}" \
+          --per_device_train_batch_size $per $flags > $D/$name.log 2>&1 || echo "   FAILED: $(tail -3 $D/$name.log)"
+        grep -h "standalone vLLM" $D/$name.log | tee -a $T
+      done ;;
+    7b)
+      (while :; do echo "$(date +%s) host_used_mb $(free -m | awk '/Mem:/ {print $3}') rss_mb $(ps -C python3 -o rss= \
+         | awk '{s+=$1} END {print int(s/1024)}') gpu_mb $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits \
+         | paste -sd,)"; sleep 5; done > $D/memory.txt) &
+      monitor=$!
+      timeout -k 10 540 python3 -m torch.distributed.run --standalone --nproc_per_node 4 grpo_colocate.py --model "$M7" \
+        --vllm_tensor_parallel_size 2 --fsdp --max_steps 5 --eval_steps 0 --save_steps -1 --output_dir $D/out \
+        > $D/7b.log 2>&1 || echo "FAILED (rc $?): $(tail -5 $D/7b.log)" | tee -a $T
+      kill $monitor
+      grep -h "^engine\|^memory\|^world\|^step " $D/7b.log | cut -c1-500 | tee -a $T
+      sort -k3 -n $D/memory.txt | tail -1 | sed 's/^/peak host: /' | tee -a $T
+      awk '{split($7, g, ","); for (i in g) if (g[i] > m[i]) m[i] = g[i]} END {printf "peak GPU MiB:"; for (i in m) printf " %s", m[i]; print ""}' \
+        $D/memory.txt | tee -a $T ;;
+    esac
+    tar -czf "$OUT/s15-$step.tar.gz" --exclude=out/checkpoint-* -C /tmp s15-$step; echo "== s15 $step: ${SECONDS}s" | tee -a $T
+  done ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
      --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant

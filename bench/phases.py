@@ -1,0 +1,121 @@
+"""phases.py: grpo_colocate with a per-rank timeline, to see where a multi-GPU step loses its time.
+
+    torchrun --nproc_per_node N bench/phases.py OUT_DIR <grpo_colocate flags>
+    python bench/phases.py report OUT_DIR [FIRST_STEP]
+
+The trainer runs unchanged; its functions are wrapped (a CUDA synchronise at both ends) and each call is written to
+OUT_DIR/rank{R}.jsonl as {step, name, start, end} (wall clock, shared by the ranks of one host): the phases (rollout,
+score, make_batch, train_step, push_weights, probe_gap, reduce_metrics), vLLM's sleep and each wake_up tag, the
+empty_cache before a wake, and Python's garbage collections over 2 ms. The report gives, per name, each rank's
+median time per step from FIRST_STEP (default 3), and for the phases every rank runs the spread of their ends (how
+long the first rank to finish waits at the next collective); then rank 0's ledger from OUT_DIR/out/metrics.jsonl
+(run with --output_dir OUT_DIR/out).
+VARIANTS (comma list, for A/B runs): gcfreeze: gc.freeze() before the first rollout (the setup's objects are never
+traversed again).
+"""
+import functools
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import grpo_colocate as gcol  # noqa: E402
+
+EVENTS, STEP = [], [1]
+PHASES = ("rollout", "score", "make_batch", "train_step", "push_weights", "probe_gap", "reduce_metrics")
+
+
+def record(name, start):
+    EVENTS.append({"step": STEP[0], "name": name, "start": start, "end": time.time()})
+
+
+def wrap(fn, name):
+    @functools.wraps(fn)
+    def timed_call(*args, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            record(name(args, kwargs) if callable(name) else name, start)
+            STEP[0] += name == "train_step"
+    return timed_call
+
+
+def instrument(variants):
+    from vllm import LLM
+
+    for phase in PHASES:
+        setattr(gcol, phase, wrap(getattr(gcol, phase), phase))
+    LLM.sleep = wrap(LLM.sleep, "vllm_sleep")
+    LLM.wake_up = wrap(LLM.wake_up, lambda a, k: "wake_" + "_".join(k.get("tags") or ["all"]))
+    torch.cuda.empty_cache = wrap(torch.cuda.empty_cache, "empty_cache")
+    gc_start = {}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_start["t"] = time.time()
+        elif "t" in gc_start and time.time() - gc_start["t"] > 0.002:
+            record(f"gc{info['generation']}", gc_start.pop("t"))
+    gc.callbacks.append(on_gc)
+    if "gcfreeze" in variants:
+        rollout = gcol.rollout
+
+        def frozen_first(*args, **kwargs):
+            if not gc_start.get("frozen"):
+                gc.collect()
+                gc.freeze()
+                gc_start["frozen"] = True
+            return rollout(*args, **kwargs)
+        gcol.rollout = frozen_first
+
+
+def report(out_dir, first_step=3):
+    ranks = {}
+    for f in sorted(os.listdir(out_dir)):
+        if f.startswith("rank") and f.endswith(".jsonl"):
+            ranks[int(f[4:-6])] = [json.loads(line) for line in open(os.path.join(out_dir, f))]
+    names = sorted({e["name"] for events in ranks.values() for e in events})
+    print(f"{out_dir}: {len(ranks)} ranks, steps >= {first_step}: median seconds per step, per rank")
+    print(f"{'name':16s} " + " ".join(f"rank{r:<3d}" for r in ranks) + "  end spread (median, max)")
+    for name in names:
+        per_rank, ends = [], defaultdict(list)
+        for r, events in ranks.items():
+            by_step = defaultdict(float)
+            for e in events:
+                if e["name"] == name and e["step"] >= first_step:
+                    by_step[e["step"]] += e["end"] - e["start"]
+                    ends[e["step"]].append(e["end"])
+            per_rank.append(statistics.median(by_step.values()) if by_step else 0.0)
+        spread = [max(v) - min(v) for v in ends.values() if len(v) == len(ranks) > 1]
+        tail = f"  {statistics.median(spread):.3f} {max(spread):.3f}" if spread and name in PHASES else ""
+        print(f"{name:16s} " + " ".join(f"{t:7.3f}" for t in per_rank) + tail)
+    metrics = os.path.join(out_dir, "out", "metrics.jsonl")  # rank 0's ledger, if the run wrote there
+    if os.path.exists(metrics):
+        steps = [r for r in map(json.loads, open(metrics)) if "time/step" in r and r["step"] >= first_step]
+        keys = [k for k in steps[0] if k.startswith(("time/", "mfu", "completion_tokens", "generate_tokens"))] if steps else []
+        print("rank 0's ledger, median of steps >=", first_step, ":",
+              " ".join(f"{k.removeprefix('time/')} {statistics.median(r[k] for r in steps):.3f}" for k in keys))
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "report":
+        report(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 3)
+        sys.exit()
+    out_dir, argv = sys.argv[1], sys.argv[2:]
+    os.makedirs(out_dir, exist_ok=True)
+    instrument(os.environ.get("VARIANTS", "").split(","))
+    try:
+        gcol.main(argv)
+    finally:
+        with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.jsonl"), "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in EVENTS)
