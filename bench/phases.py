@@ -11,7 +11,7 @@ median time per step from FIRST_STEP (default 3), and for the phases every rank 
 long the first rank to finish waits at the next collective); then rank 0's ledger from OUT_DIR/out/metrics.jsonl
 (run with --output_dir OUT_DIR/out).
 VARIANTS (comma list, for A/B runs): gcfreeze: gc.freeze() before the first rollout (the setup's objects are never
-traversed again).
+traversed again); bucketview: DDP(gradient_as_bucket_view=True) (the gradients live in DDP's all-reduce buckets).
 """
 import functools
 import gc
@@ -32,6 +32,8 @@ PHASES = ("rollout", "score", "make_batch", "train_step", "push_weights", "probe
 
 
 def record(name, start):
+    if name == "empty_cache" and time.time() - start < 0.001:  # vLLM calls it often, at no cost
+        return
     EVENTS.append({"step": STEP[0], "name": name, "start": start, "end": time.time()})
 
 
@@ -67,6 +69,11 @@ def instrument(variants):
         elif "t" in gc_start and time.time() - gc_start["t"] > 0.002:
             record(f"gc{info['generation']}", gc_start.pop("t"))
     gc.callbacks.append(on_gc)
+    if "bucketview" in variants:
+        class BucketViewDDP(gcol.DDP):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, gradient_as_bucket_view=True, **kwargs)
+        gcol.DDP = BucketViewDDP
     if "gcfreeze" in variants:
         rollout = gcol.rollout
 
