@@ -54,7 +54,7 @@
 #   s15 STEPS four GPUs, after staging (BENCHMARKS.md "Four GPUs"): STEPS of
 #             make    the 1.5B and the 7B shapes (7B: bf16 on GPU 0, about 15 GB on disk)
 #             scale   the 1.5B shape, 32 x 8 completions per rank, 8 steps, under bench/phases.py (a per-rank
-#                     timeline): 1 GPU, DDP x 4, FSDP2 x 4, tp 2 x dp 2 (VARIANTS=... passes A/B switches to it)
+#                     timeline): 1 GPU, DDP x 4, FSDP2 x 4, tp 2 x dp 2; S15_SETUPS="N NAME FLAGS;..." others
 #             gen     vLLM alone (bench.py standalone) on the 1.5B shape: 256 and 512 sequences on one GPU, 512 on
 #                     tp 2: does tensor parallelism make one engine faster at this size?
 #             ddpvar  DDP x 4 again, under S15_VARIANTS (default gcfreeze)
@@ -308,6 +308,7 @@ s15)
       echo "made in ${SECONDS}s" | tee -a $T ;;
     scale|ddpvar)
       setups=("1 one" "4 ddp" "4 fsdp --fsdp" "4 tp2 --vllm_tensor_parallel_size 2")
+      [ -n "${S15_SETUPS:-}" ] && IFS=';' read -ra setups <<< "$S15_SETUPS"  # e.g. "1 one;1 one-fsdp --fsdp"
       [ $step = ddpvar ] && setups=("4 ddp-${S15_VARIANTS:-gcfreeze}")
       for setup in "${setups[@]}"; do
         read -r n name flags <<< "$setup"

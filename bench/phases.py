@@ -11,7 +11,7 @@ median time per step from FIRST_STEP (default 3), and for the phases every rank 
 long the first rank to finish waits at the next collective); then rank 0's ledger from OUT_DIR/out/metrics.jsonl
 (run with --output_dir OUT_DIR/out).
 VARIANTS (comma list, for A/B runs): gcfreeze: gc.freeze() before the first rollout (the setup's objects are never
-traversed again); bucketview: DDP(gradient_as_bucket_view=True) (the gradients live in DDP's all-reduce buckets).
+traversed again).
 """
 import functools
 import gc
@@ -31,24 +31,29 @@ EVENTS, STEP = [], [1]
 PHASES = ("rollout", "score", "make_batch", "train_step", "push_weights", "probe_gap", "reduce_metrics")
 
 
-def record(name, start):
+def record(name, start, **extra):
     if name == "empty_cache" and time.time() - start < 0.001:  # vLLM calls it often, at no cost
         return
-    EVENTS.append({"step": STEP[0], "name": name, "start": start, "end": time.time()})
+    EVENTS.append({"step": STEP[0], "name": name, "start": start, "end": time.time(), **extra})
 
 
 def wrap(fn, name):
     @functools.wraps(fn)
     def timed_call(*args, **kwargs):
+        extra = {}
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+            if name == "empty_cache":  # what it has to give back: the caching allocator's segments
+                stats = torch.cuda.memory_stats()
+                extra = {"segments": stats.get("segment.all.current", 0),
+                         "reserved_gib": stats.get("reserved_bytes.all.current", 0) / 2**30}
         start = time.time()
         try:
             return fn(*args, **kwargs)
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            record(name(args, kwargs) if callable(name) else name, start)
+            record(name(args, kwargs) if callable(name) else name, start, **extra)
             STEP[0] += name == "train_step"
     return timed_call
 
@@ -69,11 +74,6 @@ def instrument(variants):
         elif "t" in gc_start and time.time() - gc_start["t"] > 0.002:
             record(f"gc{info['generation']}", gc_start.pop("t"))
     gc.callbacks.append(on_gc)
-    if "bucketview" in variants:
-        class BucketViewDDP(gcol.DDP):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, gradient_as_bucket_view=True, **kwargs)
-        gcol.DDP = BucketViewDDP
     if "gcfreeze" in variants:
         rollout = gcol.rollout
 
