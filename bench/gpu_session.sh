@@ -61,6 +61,10 @@
 #             7b      the docstring's 7B line at half width: torchrun 4 GPUs, tp 2, --fsdp, the defaults (16 x 8
 #                     completions per rank), 5 steps; host and GPU memory sampled every 5 s
 #                     Results: $OUT/s15-STEP.tar.gz (timelines, logs, metrics) and s15-STEP.txt
+#   s16       ours vs TRL 1.16 at its defaults, one pair per GPU on 4 GPUs, the four pairs at once (each pair back to
+#             back on its own GPU, as the issue's first measurement): GPU 0 SmolLM2 fixed 256 tokens, GPU 1 SmolLM2
+#             natural stops, GPU 2 the 1.5B shape, GPU 3 the 40-step learning run (accuracy, lr 1e-5). Needs .stage/trl.
+#             Results: $OUT/s16.tar.gz (every run's metrics and log) and s16.txt (the compare tables)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -348,6 +352,28 @@ s15)
     esac
     tar -czf "$OUT/s15-$step.tar.gz" --exclude=out/checkpoint-* -C /tmp s15-$step; echo "== s15 $step: ${SECONDS}s" | tee -a $T
   done ;;
+s16)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
+  versions | tee "$OUT/s16.txt"; varlen_data; D=/tmp/s16; rm -rf $D; mkdir -p $D
+  L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+     --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
+     --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0 --seed 42)
+  export NPROC=1 TRL_FLAGS=--trl_defaults
+  (CUDA_VISIBLE_DEVICES=0 timeout 560 bash run.sh compare smollm2-135m > $D/fixed-smol.txt 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 timeout 560 bash run.sh compare smollm2-135m "${V[@]}" > $D/natural-smol.txt 2>&1) &
+  (CUDA_VISIBLE_DEVICES=2 timeout 560 bash run.sh compare qwen2.5-1.5b-shape > $D/fixed-1.5b.txt 2>&1) &
+  (export CUDA_VISIBLE_DEVICES=3
+   timeout 270 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" \
+     --output_dir $D/learn-ours > $D/learn-ours.log 2>&1
+   timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train \
+     $D/learn-trl "${L[@]}" --trl_defaults > $D/learn-trl.log 2>&1) &
+  wait
+  for f in outputs/bench/*/metrics.jsonl outputs/bench/*/trl/metrics.jsonl; do
+    [ -f "$f" ] && cp "$f" "$D/$(echo "${f#outputs/bench/}" | tr / -)"
+  done
+  for w in fixed-smol natural-smol fixed-1.5b; do echo "== $w"; grep -A4 "ours / TRL\|step s" $D/$w.txt | tail -8; done \
+    | tee -a "$OUT/s16.txt"
+  tar -czf "$OUT/s16.tar.gz" --exclude='*/checkpoint-*' -C /tmp s16 ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
      --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
