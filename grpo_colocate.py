@@ -491,7 +491,8 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         sapo     -(4 / tau) sigmoid(tau (r_t - 1)) A        tau: sapo_temperature_pos (A > 0) or _neg
     eps_low: --epsilon; eps_high: --epsilon_high (or epsilon); cispo_cap: --epsilon_high (or 5).
     global_count: the global batch's sequences or tokens (loss_normaliser); None (bnpo, or a
-    call outside train_step): this micro-batch's own. Returns (loss, the detached token means of the clip indicators and the KL)."""
+    call outside train_step): this micro-batch's own. Returns (loss, the detached token means of
+    the clip indicators and the KL)."""
     epsilon_high = cfg.epsilon_high or cfg.epsilon
     cispo_cap = cfg.epsilon_high or CISPO_CAP
     mask = mask.to(logps.dtype)
@@ -831,8 +832,8 @@ class ColocatedEngine:
     push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
     the KV cache (last, in what the push's bucket leaves of the 2 GiB).
 
-    Who calls: run, before the trainer is built (asleep while it loads), then its first push;
-    the loop sleeps it after each rollout, once the trainer's turn comes, and
+    Who calls: run puts it to sleep (with sleep mode on) before the trainer loads, then gives it
+    its first push; the loop sleeps it after each rollout, once the trainer's turn comes, and
     wakes it with the push after the optimizer step that ends a --num_iterations cycle; an eval in
     the middle of a cycle wakes and pushes, evaluates, then sleeps again.
 
