@@ -18,6 +18,9 @@ rows_for_step (1), rollout and generate (2), score, make_batch and compute_advan
 NORMALISERS, loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5),
 ColocatedEngine (6), run's loop (7); helpers when you need them; the appendix (setup, checks,
 data, checkpoints, the memory plan, metrics, tool turns, the logprob kernel, the CLI) can wait.
+A comment that opens with "Variant" marks code off at the defaults (a flag or a paper's choice:
+dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and bonus, tp > 1): a first
+reading skips those lines.
 Shapes: P prompts, G completions each, N = P G (a step's batch on one rank), D the prompts a
 rollout draws (P; more with dynamic sampling), T the longest completion (of the batch, or of a
 micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden size, V the
@@ -264,7 +267,8 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     outputs = llm.generate(prompts, per_request, use_tqdm=False)
     torch.use_deterministic_algorithms(deterministic)
 
-    # every rank of the group must have sampled the same tokens (hash() of ints is stable)
+    # Variant (tp > 1): every rank of the group must have sampled the same tokens (hash() of
+    # ints is stable)
     if env.tp > 1:
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
         if len(set(tp_gather(sampled, env))) > 1:
@@ -326,8 +330,8 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     > 0); stats: counts and per-sample tensors, which reduce_metrics sums and logs."""
     G = cfg.num_generations
 
-    # Dynamic sampling (DAPO) keeps the groups whose criterion reward varies (one function, not
-    # the weighted sum). nanstd is NaN or -0.0 for a group with fewer than 2 scored completions,
+    # Variant (--dynamic_sampling_factor > 1; at 1 every drawn group trains, in order): dynamic
+    # sampling (DAPO) keeps the groups whose criterion reward varies (one function, not the sum). nanstd is NaN or -0.0 for a group with fewer than 2 scored completions,
     # and NaN > 0 is False: such a group does not vary.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
@@ -351,7 +355,8 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
-    # group-relative advantages; "batch": the std of every rank's rewards but the fillers' (NaN)
+    # group-relative advantages (Variant, --scale_rewards batch: the std of every rank's rewards
+    # but the fillers', NaN)
     batch_rewards = None
     if cfg.scale_rewards == "batch":
         batch_rewards = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
@@ -498,18 +503,18 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)  # [B, 1]
 
-    # the ratio of the policy to the one that sampled (GSPO: one per sequence)
+    # the ratio of the policy to the one that sampled
     log_ratio = logps - old_logps  # [B, T]
-    if cfg.importance_sampling_level == "sequence":  # the geometric mean of the token ratios
+    if cfg.importance_sampling_level == "sequence":  # Variant, GSPO: the geometric mean a sequence
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
 
     # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
     # clip acts: the term is -A (cispo: -A logp; sapo: -2 A / tau), its gradient -A grad logp in
-    # all three. Clips bite from the second iteration.
-    if cfg.loss_type == "cispo":  # every token keeps a gradient, through logp
+    # all three. Clips bite from the second iteration. The defaults (dapo) take the last branch.
+    if cfg.loss_type == "cispo":  # Variant: every token keeps a gradient, through logp
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
-    elif cfg.loss_type == "sapo":  # a gate that fades where a clip would cut
+    elif cfg.loss_type == "sapo":  # Variant: a gate that fades where a clip would cut
         tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, 1]
         per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * entropy_mask
     else:
@@ -517,7 +522,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         per_token = -torch.min(ratio * adv, clipped * adv) * entropy_mask  # [B, T] or [B, 1]
     per_token = per_token * is_weights
 
-    # the KL penalty to the reference (k3)
+    # Variant (--beta > 0): the KL penalty to the reference (k3)
     if cfg.beta != 0.0:
         delta = ref_logps - logps  # [B, T]
         kl = torch.exp(delta) - delta - 1  # [B, T]
@@ -660,15 +665,17 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
 
-                # the entropy mask: the tokens that learn (the 80/20 rule: the top rho by entropy)
+                # Variant (--top_entropy_quantile < 1): the entropy mask, the tokens that learn
+                # (the 80/20 rule: the top rho by entropy); all of them at the default
                 entropy_mask = torch.ones_like(entropy)  # [b, T]
                 if cfg.top_entropy_quantile < 1:
                     q = 1 - cfg.top_entropy_quantile
                     threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
                     entropy_mask = (entropy >= threshold).float()
 
-                # the loss, and TRL's entropy bonus: c x the learning tokens' mean entropy, outside
-                # the normaliser, a mean over the micro-batches that train (loss_normaliser)
+                # the loss, and (Variant, --entropy_coef) TRL's entropy bonus: c x the learning
+                # tokens' mean entropy, outside the normaliser, a mean over the micro-batches that
+                # train (loss_normaliser)
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, entropy_mask, global_count)
                 learning = entropy_mask * mb.loss_mask  # [b, T]
@@ -1047,7 +1054,8 @@ def run(cfg: Config, env, inputs, trackers=()):
                                reward_weights, tool_counts)
             iterations_on_batch = 0
 
-            # ======== logprobs: the no-grad passes, frozen for the batch's iterations
+            # ======== logprobs: the no-grad passes, frozen for the batch's iterations (Variants:
+            # num_iterations > 1, --lora_dropout, --beta > 0; none at the defaults)
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # old: see train_step
                     policy = unwrap(trainer.policy)
