@@ -18,9 +18,9 @@ rows_for_step (1), rollout and generate (2), score, make_batch and compute_advan
 NORMALISERS, loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5),
 ColocatedEngine (6), run's loop (7); helpers when you need them; the appendix (setup, checks,
 data, checkpoints, the memory plan, metrics, tool turns, the logprob kernel, the CLI) can wait.
-A comment that opens with "Variant" marks code off at the defaults (a flag or a paper's choice:
-dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and bonus, tp > 1): a first
-reading skips those lines.
+"Variant (...)" in a comment marks the code below it that is off at the defaults (a flag or a
+paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and bonus, tp >
+1): a first reading skips those lines.
 Shapes: P prompts, G completions each, N = P G (a step's batch on one rank), D the prompts a
 rollout draws (P; more with dynamic sampling), T the longest completion (of the batch, or of a
 micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden size, V the
@@ -160,7 +160,7 @@ class Config:
     max_steps: int = arg(200, "optimizer steps")
     logging_steps: int = arg(1, "log every this many steps")
     eval_steps: int = arg(50, "greedy eval every this many steps (0: never), at 0 and the end")
-    save_steps: int = arg(0, "checkpoint every this many steps (0: at the end; -1: never)")
+    save_steps: int = arg(0, "checkpoint every this many steps and at the end (0: end; -1: never)")
     output_dir: str = arg("outputs/grpo", "metrics.jsonl and checkpoint-<step>/ go here")
     ddp_timeout: int = arg(1800, "seconds a collective waits before the run fails")
     report_to: list[str] = arg(["none"], "none, wandb, tensorboard or both: rank 0 logs there too")
@@ -330,15 +330,16 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     > 0); stats: counts and per-sample tensors, which reduce_metrics sums and logs."""
     G = cfg.num_generations
 
-    # Variant (--dynamic_sampling_factor > 1; at 1 every drawn group trains, in order): dynamic
-    # sampling (DAPO) keeps the groups whose criterion reward varies (one function, not the sum). nanstd is NaN or -0.0 for a group with fewer than 2 scored completions,
-    # and NaN > 0 is False: such a group does not vary.
+    # The groups whose criterion reward varies (one function, not the weighted sum), logged, and
+    # what dynamic sampling picks by. nanstd is NaN or -0.0 for a group with fewer than 2 scored
+    # completions, and NaN > 0 is False: such a group does not vary.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
 
-    # A step trains on completions_per_rank // G groups: at --dynamic_sampling_factor 1, every
-    # drawn group, in order, no filler; above 1, the varied ones first, in order, then "filler"
-    # groups that did not vary, which fill the batch but get no loss and no count.
+    # A step trains on completions_per_rank // G groups: at the default (factor 1), every drawn
+    # group, in order, no filler. Variant (--dynamic_sampling_factor > 1, DAPO's dynamic sampling):
+    # the varied ones first, in order, then "filler" groups that did not vary, which fill the batch
+    # but get no loss and no count.
     groups = list(range(len(drawn_rows)))
     filler = torch.zeros(len(drawn_samples), dtype=torch.bool)  # [D G]; replaced below if F > 1
     if cfg.dynamic_sampling_factor > 1:
@@ -355,8 +356,8 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
-    # group-relative advantages (Variant, --scale_rewards batch: the std of every rank's rewards
-    # but the fillers', NaN)
+    # group-relative advantages, over the group's std by default. Variant (--scale_rewards batch):
+    # the std of every rank's rewards but the fillers' (NaN)
     batch_rewards = None
     if cfg.scale_rewards == "batch":
         batch_rewards = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
@@ -483,13 +484,13 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
 def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
               entropy_mask=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
-    logps, old_logps, ref_logps, mask (m), entropy_mask (e): [B, T]; advantages: [B];
-    is_weights (w): [B, 1 or T]
+    logps, old_logps, ref_logps, mask (m), entropy_mask (e): [b, T]; advantages: [b];
+    is_weights (w): [b, 1 or T]
         r_t  = exp(logp_t - old_logp_t)     (== 1 with num_iterations 1, no dropout: train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (--importance_sampling_
                level sequence, any loss type): one ratio a sequence, clipped whole
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t
-        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t    (k3; r_t: bias correction)
+        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t    (k3; r_t, GSPO's r: bias correction)
         e_t  = [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
     cispo and sapo (TRL 1.16's) take the place of the min(...) term:
         cispo    -sg(min(r_t, cispo_cap)) A logp_t          sg: no gradient (MiniMax-M1)
@@ -501,13 +502,13 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     epsilon_high = cfg.epsilon_high or cfg.epsilon
     cispo_cap = cfg.epsilon_high or CISPO_CAP
     mask = mask.to(logps.dtype)
-    adv = advantages.unsqueeze(1)  # [B, 1]
+    adv = advantages.unsqueeze(1)  # [b, 1]
 
     # the ratio of the policy to the one that sampled
-    log_ratio = logps - old_logps  # [B, T]
+    log_ratio = logps - old_logps  # [b, T]
     if cfg.importance_sampling_level == "sequence":  # Variant, GSPO: the geometric mean a sequence
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
-    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1]
+    ratio = torch.exp(log_ratio)  # [b, T], or [b, 1]
 
     # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
     # clip acts: the term is -A (cispo: -A logp; sapo: -2 A / tau), its gradient -A grad logp in
@@ -515,24 +516,24 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     if cfg.loss_type == "cispo":  # Variant: every token keeps a gradient, through logp
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
     elif cfg.loss_type == "sapo":  # Variant: a gate that fades where a clip would cut
-        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [B, 1]
+        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [b, 1]
         per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * entropy_mask
     else:
         clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv) * entropy_mask  # [B, T] or [B, 1]
+        per_token = -torch.min(ratio * adv, clipped * adv) * entropy_mask  # [b, T]
     per_token = per_token * is_weights
 
     # Variant (--beta > 0): the KL penalty to the reference (k3)
     if cfg.beta != 0.0:
-        delta = ref_logps - logps  # [B, T]
-        kl = torch.exp(delta) - delta - 1  # [B, T]
+        delta = ref_logps - logps  # [b, T]
+        kl = torch.exp(delta) - delta - 1  # [b, T]
         if cfg.use_bias_correction_kl:  # (with its gradient) the unbiased KL gradient off-policy
             kl = kl * ratio
         per_token = per_token + cfg.beta * kl
 
     # normalise: NORMALISERS' table
     normaliser = NORMALISERS[cfg.loss_type]
-    masked = per_token * mask  # [B, T]
+    masked = per_token * mask  # [b, T]
     if normaliser == "tokens":
         num_tokens = mask.sum().clamp(min=1) if global_count is None else global_count
         loss = masked.sum() / num_tokens
@@ -564,13 +565,13 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
 
 def vllm_importance_weights(old_logps, vllm_logps, model_mask, mode="sequence_mask", clip_max=3.0):
     """Correct for vLLM's sampler not being exactly the trainer's policy (kernels, bf16 weights):
-        w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [B, T]; sequence level: [B, 1]
+        w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [b, T]; sequence level: [b, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)    *_mask: 0 where w > clip_max (masked)
-    old_logps: the trainer's logprobs of the policy that sampled (see train_step); all [B, T]."""
+    old_logps: the trainer's logprobs of the policy that sampled (see train_step); all [b, T]."""
     # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
-    diff = ((old_logps - vllm_logps) * model_mask).nan_to_num(nan=0.0)  # [B, T]
+    diff = ((old_logps - vllm_logps) * model_mask).nan_to_num(nan=0.0)  # [b, T]
     if mode.startswith("sequence"):
-        diff = diff.sum(dim=1, keepdim=True)  # [B, 1]
+        diff = diff.sum(dim=1, keepdim=True)  # [b, 1]
     weights = torch.exp(diff)
     if mode.endswith("truncate"):
         return weights.clamp(max=clip_max)
@@ -607,7 +608,7 @@ class Policy(nn.Module):
 
     def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, model_mask,
                 temperature, top_k=0, top_p=1.0):
-        """pack's outputs, model_mask [B, T] -> logps (over the allowed set), entropies: [B, T]."""
+        """pack's outputs, model_mask [b, T] -> logps (over the allowed set), entropies: [b, T]."""
         out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
                                     use_cache=False, cu_seq_lens_q=cu_seqlens,
                                     cu_seq_lens_k=cu_seqlens, max_length_q=longest,
@@ -619,15 +620,16 @@ class Policy(nn.Module):
                                              temperature, top_k, top_p, self.chunk_size)  # [n]
         if not self.entropy_grad:  # logged, or ranking tokens (--top_entropy_quantile)
             entropy = entropy.detach()
-        # unpack: the ones of model_mask in row-major order are the scored tokens in packed order
+        # unpack: the ones of model_mask in row-major order are the scored tokens in pack's
+        # completion_index order (a prompt has a token at least: completion_index - 1 is in its row)
         return tuple(x.new_zeros(model_mask.shape).masked_scatter(model_mask.bool(), x)
                      for x in (logps, entropy))
 
 
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
-# Micro-batches, in the order a step makes them: split_micro_batches cuts the batch, in order, into
-# runs of sequences of at most the token budget (the memory plan's); plan_micro_batches makes every
-# rank cut as many; micro_batch takes one run's tensors and pack lays its sequences end to end in
+# Micro-batches, in the order a step makes them: plan_micro_batches has split_micro_batches cut the
+# batch, in order, into runs of sequences of at most the token budget (the memory plan's), as many
+# on every rank; micro_batch takes one run's tensors and pack lays its sequences end to end in
 # one row (no padding; positions restart, the attention kernel sees each sequence alone);
 # Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
 # where the cuts fall (loss_normaliser), but for what is per micro-batch by definition: bnpo's
@@ -665,17 +667,17 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
 
-                # Variant (--top_entropy_quantile < 1): the entropy mask, the tokens that learn
-                # (the 80/20 rule: the top rho by entropy); all of them at the default
+                # the entropy mask, the tokens that learn: all of them by default. Variant
+                # (--top_entropy_quantile < 1, the 80/20 rule): the top rho by entropy
                 entropy_mask = torch.ones_like(entropy)  # [b, T]
                 if cfg.top_entropy_quantile < 1:
                     q = 1 - cfg.top_entropy_quantile
                     threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
                     entropy_mask = (entropy >= threshold).float()
 
-                # the loss, and (Variant, --entropy_coef) TRL's entropy bonus: c x the learning
-                # tokens' mean entropy, outside the normaliser, a mean over the micro-batches that
-                # train (loss_normaliser)
+                # the loss, x loss_scale (loss_normaliser). Variant (--entropy_coef): minus TRL's
+                # entropy bonus, c x the learning tokens' mean entropy, outside the normaliser, a
+                # mean over the micro-batches that train (micro_batch_weight)
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, entropy_mask, global_count)
                 learning = entropy_mask * mb.loss_mask  # [b, T]
@@ -784,7 +786,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
         token_positions += range(len(p) + len(c))
     input_ids = torch.tensor([ids], device=device)  # [1, L]
     position_ids = torch.tensor([token_positions], device=device)  # [1, L]: from 0 in each sequence
-    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [B + 1]: starts, then L
+    cu_seqlens = torch.tensor(starts + [len(ids)], dtype=torch.int32)  # [b + 1]: starts, then L
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
     completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]
     return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
@@ -837,7 +839,7 @@ class ColocatedEngine:
     wake without a push. wake_and_push, in order: empty_cache (only if less than the engine's
     share + 2 GiB is free: the trainer's cached blocks go back to the driver), wake the weights,
     push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
-    the KV cache (last, in what the push's bucket leaves of the 2 GiB).
+    the KV cache last (the push's bucket, which PyTorch keeps cached, fits in those 2 GiB).
 
     Who calls: run puts it to sleep (with sleep mode on) before the trainer loads, then gives it
     its first push; the loop sleeps it after each rollout, once the trainer's turn comes, and
@@ -909,7 +911,8 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int):
 
 def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     """(HF name, full tensor) per parameter, one order on every rank; LoRA: W + (alpha / r) B A.
-    Made a bucket ahead, handed over and dropped one by one: a lazy consumer holds a bucket more.
+    Made a bucket ahead, handed over and dropped one by one (a consumer that keeps the tensors
+    until it is done, as reload_weights may, holds more: up to all of them).
     Under FSDP2 each full_tensor is a collective: every rank must walk the whole generator."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     bucket = []
@@ -1014,8 +1017,8 @@ def run(cfg: Config, env, inputs, trackers=()):
     # The loop. A step that starts a --num_iterations cycle (every step, at 1) generates a new
     # batch and puts the engine to sleep; every step trains on the batch and saves when due; the
     # step that ends a cycle wakes the engine with the push; an eval in the middle of a cycle
-    # pushes and sleeps again. What lives across steps: the data position, the batch, the
-    # skipped-step counters and the step times (the step line).
+    # pushes and sleeps again. What lives across steps: the data position, the batch and its
+    # iterations so far, the skipped-step counters and the step times (the step line).
     started = time.time()
     step_times = []  # this process's steps, in seconds
     batch = None  # the current generation batch, trained on num_iterations times
