@@ -3780,14 +3780,14 @@ def test_free_gpu_memory_is_checked_at_start(monkeypatch):
 
 
 def test_a_fresh_run_starts_its_own_outputs(tmp_path):
-    """A fresh run in an earlier run's --output_dir removes latest (a restart must not continue the
-    earlier run's checkpoint) and puts its logs aside; a resume points latest at its checkpoint at
+    """A fresh run in an earlier run's --output_dir moves latest aside (a restart must not continue
+    the earlier run's checkpoint) and its metrics; a resume points latest at its checkpoint at
     once (a restart before its first save continues it, not the newer one latest named)."""
-    for name in ("latest", "metrics.jsonl", "completions.jsonl"):
+    for name in ("latest", "metrics.jsonl"):
         (tmp_path / name).write_text("the earlier run's")
     cfg = gc.Config(output_dir=str(tmp_path))
     gc.start_outputs(cfg, None)
-    assert sorted(os.listdir(tmp_path)) == ["previous-completions.jsonl", "previous-latest", "previous-metrics.jsonl"]
+    assert sorted(os.listdir(tmp_path)) == ["previous-latest", "previous-metrics.jsonl"]
     with pytest.raises(gc.ConfigError, match="--resume_from_checkpoint: latest: none in"):
         gc.parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "latest"])
     gc.point_latest(str(tmp_path), str(tmp_path / "checkpoint-4"))
