@@ -506,7 +506,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
 
     # the ratio of the policy to the one that sampled
     log_ratio = logps - old_logps  # [b, T]
-    if cfg.importance_sampling_level == "sequence":  # Variant, GSPO: the geometric mean a sequence
+    if cfg.importance_sampling_level == "sequence":  # Variant (GSPO): one geometric mean a sequence
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [b, T], or [b, 1]
 

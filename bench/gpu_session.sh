@@ -57,7 +57,6 @@
 #                     timeline): 1 GPU, DDP x 4, FSDP2 x 4, tp 2 x dp 2; S15_SETUPS="N NAME FLAGS;..." others
 #             gen     vLLM alone (bench.py standalone) on the 1.5B shape: 256 and 512 sequences on one GPU, 512 on
 #                     tp 2: does tensor parallelism make one engine faster at this size?
-#             ddpvar  DDP x 4 again, under S15_VARIANTS (default gcfreeze)
 #             7b      the docstring's 7B line at half width: torchrun 4 GPUs, tp 2, --fsdp, the defaults (16 x 8
 #                     completions per rank), 5 steps; host and GPU memory sampled every 5 s
 #                     Results: $OUT/s15-STEP.tar.gz (timelines, logs, metrics) and s15-STEP.txt
@@ -310,18 +309,16 @@ s15)
       [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 | tee -a $T
       [ -f "$M7/config.json" ] || python3 bench/bench.py make-model qwen2.5-7b "$M7" "$SMOL" 2>&1 | tail -1 | tee -a $T
       echo "made in ${SECONDS}s" | tee -a $T ;;
-    scale|ddpvar)
+    scale)
       setups=("1 one" "4 ddp" "4 fsdp --fsdp" "4 tp2 --vllm_tensor_parallel_size 2")
       [ -n "${S15_SETUPS:-}" ] && IFS=';' read -ra setups <<< "$S15_SETUPS"  # e.g. "1 one;1 one-fsdp --fsdp"
-      [ $step = ddpvar ] && setups=("4 ddp-${S15_VARIANTS:-gcfreeze}")
       for setup in "${setups[@]}"; do
         read -r n name flags <<< "$setup"
         left=$(( ${S15_DEADLINE:-580} - SECONDS )); [ $left -lt 90 ] && { echo "== $name skipped" | tee -a $T; continue; }
         echo "== $name: $n GPUs $flags (${SECONDS}s)" | tee -a $T
         # shellcheck disable=SC2086
-        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) VARIANTS=$([ $step = ddpvar ] && echo "${S15_VARIANTS:-gcfreeze}") \
-          timeout -k 10 $(( left < 200 ? left : 200 )) python3 -m torch.distributed.run --standalone --nproc_per_node $n \
-          bench/phases.py $D/$name --model "$M15" "${W[@]}" $flags --output_dir $D/$name/out > $D/$name.log 2>&1 \
+        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout -k 10 $(( left < 200 ? left : 200 )) \
+          python3 -m torch.distributed.run --standalone --nproc_per_node $n bench/phases.py $D/$name --model "$M15" "${W[@]}" $flags --output_dir $D/$name/out > $D/$name.log 2>&1 \
           || echo "   FAILED: $(tail -3 $D/$name.log)" | tee -a $T
         grep -h "^engine: \|^memory\|^step 8/" $D/$name.log | cut -c1-400 | tee -a $T
         python3 bench/phases.py report $D/$name 3 2>&1 | tee -a $T

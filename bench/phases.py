@@ -10,8 +10,6 @@ empty_cache before a wake, and Python's garbage collections over 2 ms. The repor
 median time per step from FIRST_STEP (default 3), and for the phases every rank runs the spread of their ends (how
 long the first rank to finish waits at the next collective); then rank 0's ledger from OUT_DIR/out/metrics.jsonl
 (run with --output_dir OUT_DIR/out).
-VARIANTS (comma list, for A/B runs): gcfreeze: gc.freeze() before the first rollout (the setup's objects are never
-traversed again).
 """
 import functools
 import gc
@@ -58,7 +56,7 @@ def wrap(fn, name):
     return timed_call
 
 
-def instrument(variants):
+def instrument():
     from vllm import LLM
 
     for phase in PHASES:
@@ -74,16 +72,6 @@ def instrument(variants):
         elif "t" in gc_start and time.time() - gc_start["t"] > 0.002:
             record(f"gc{info['generation']}", gc_start.pop("t"))
     gc.callbacks.append(on_gc)
-    if "gcfreeze" in variants:
-        rollout = gcol.rollout
-
-        def frozen_first(*args, **kwargs):
-            if not gc_start.get("frozen"):
-                gc.collect()
-                gc.freeze()
-                gc_start["frozen"] = True
-            return rollout(*args, **kwargs)
-        gcol.rollout = frozen_first
 
 
 def report(out_dir, first_step=3):
@@ -120,7 +108,7 @@ if __name__ == "__main__":
         sys.exit()
     out_dir, argv = sys.argv[1], sys.argv[2:]
     os.makedirs(out_dir, exist_ok=True)
-    instrument(os.environ.get("VARIANTS", "").split(","))
+    instrument()
     try:
         gcol.main(argv)
     finally:
