@@ -64,6 +64,9 @@
 #             back on its own GPU, as the issue's first measurement): GPU 0 SmolLM2 fixed 256 tokens, GPU 1 SmolLM2
 #             natural stops, GPU 2 the 1.5B shape, GPU 3 the 40-step learning run (accuracy, lr 1e-5). Needs .stage/trl.
 #             Results: $OUT/s16.tar.gz (every run's metrics and log) and s16.txt (the compare tables)
+#   s17       4 GPUs at once: bench/gen_settings.py on GPUs 0-2 (the variants not yet measured: V2 vs V1 model runner,
+#             CUDA-graph sizes, FP8 weights, sleep mode off; S17_GPU0..2 to pick others), run.sh --max_steps 20 on GPU 3
+#             (held-out accuracy before and after). Results: $OUT/s17.txt, s17-gen-tables.md, s17.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -371,6 +374,22 @@ s16)
   for w in fixed-smol natural-smol fixed-1.5b; do echo "== $w"; grep -A4 "ours / TRL\|step s" $D/$w.txt | tail -8; done \
     | tee -a "$OUT/s16.txt"
   tar -czf "$OUT/s16.tar.gz" --exclude='*/checkpoint-*' -C /tmp s16 ;;
+s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
+  D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"
+  [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > $D/make15.txt 2>&1
+  gen() {  # gen GPU JOBS
+    CUDA_VISIBLE_DEVICES=$1 python3 bench/gen_settings.py run --model smol="$SMOL" --model q15="$M15" --jobs "$2" \
+      --out $D/gen-$1.jsonl --logs $D/logs-$1 --budget_s $(( 520 - SECONDS )) --min_job_s 60 > $D/driver-$1.txt 2>&1
+  }
+  gen 0 "${S17_GPU0:-smol:base smol:v1_runner smol:cg_fit smol:cg_pow2}" &
+  gen 1 "${S17_GPU1:-q15:base:fixed q15:fp8:fixed q15:v1_runner:fixed q15:cg_fit:fixed}" &
+  gen 2 "${S17_GPU2:-smol:fp8 smol:base smol:sleep_off}" &
+  (CUDA_VISIBLE_DEVICES=3 timeout 330 bash run.sh --model "$SMOL" --max_steps 20 --eval_steps 20 \
+     --output_dir outputs/s17-learn > $D/learn.log 2>&1; cp outputs/s17-learn/metrics.jsonl $D/learn.jsonl) &
+  wait
+  for g in 0 1 2; do echo "== GPU $g"; python3 bench/gen_settings.py table $D/gen-$g.jsonl; done > "$OUT/s17-gen-tables.md" 2>&1
+  grep "eval at\|^step 20" $D/learn.log | cut -c1-250 | tee -a "$OUT/s17.txt"; cat "$OUT/s17-gen-tables.md"
+  tar -czf "$OUT/s17.tar.gz" --exclude='logs-*/out' -C /tmp s17 ;;
 ab)
   A=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
      --max_completion_length 128 --reward_funcs accuracy_reward --learning_rate 1e-5 --lr_scheduler_type constant
