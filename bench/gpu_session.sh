@@ -65,7 +65,8 @@
 #             natural stops, GPU 2 the 1.5B shape, GPU 3 the 40-step learning run (accuracy, lr 1e-5). Needs .stage/trl.
 #             Results: $OUT/s16.tar.gz (every run's metrics and log) and s16.txt (the compare tables)
 #   s17       4 GPUs at once: bench/gen_settings.py on GPUs 0-2 (the variants not yet measured: V2 vs V1 model runner,
-#             CUDA-graph sizes, FP8 weights, sleep mode off; S17_GPU0..2 to pick others), run.sh --max_steps 20 on GPU 3
+#             CUDA-graph sizes, FP8 weights (carry .stage/fp8: compressed-tensors 0.17.0 and loguru wheels), sleep mode
+#             off; S17_GPU0..2 to pick others), run.sh --max_steps 20 on GPU 3
 #             (held-out accuracy before and after). Results: $OUT/s17.txt, s17-gen-tables.md, s17.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -81,6 +82,9 @@ keep() {  # keep DIR NAME: a run's metrics and log, flat in $OUT
   done
 }
 latest() { ls -td outputs/bench/"$1"* | head -1; }
+fp8_wheels() {  # vLLM's quantization="fp8" imports compressed_tensors (==0.17.0 for 0.26.0), not in the image: carry .stage/fp8
+  ls .stage/fp8/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/fp8/*.whl
+}
 versions() { python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__)" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; }
 
@@ -265,6 +269,7 @@ s13)
     [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 ;;
   gen)
     D=/tmp/s13-gen; rm -rf $D; mkdir -p $D
+    fp8_wheels
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $D/gpu.txt
     [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > $D/make15.txt 2>&1
     [ -f $D/make15.txt ] && tail -1 $D/make15.txt; echo "== ${SECONDS}s: jobs start"
@@ -376,6 +381,7 @@ s16)
   tar -czf "$OUT/s16.tar.gz" --exclude='*/checkpoint-*' -C /tmp s16 ;;
 s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
   D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"
+  fp8_wheels
   [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > $D/make15.txt 2>&1
   gen() {  # gen GPU JOBS
     CUDA_VISIBLE_DEVICES=$1 python3 bench/gen_settings.py run --model smol="$SMOL" --model q15="$M15" --jobs "$2" \
