@@ -71,11 +71,11 @@ if "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
 from msgspec.structs import replace  # noqa: E402 (vLLM's SamplingParams is a msgspec struct)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard  # noqa: E402
-from torch.distributed.checkpoint.state_dict import StateDictOptions  # noqa: E402
-from torch.distributed.checkpoint.state_dict import set_model_state_dict  # noqa: E402
+from torch.distributed.checkpoint import state_dict as dcp_state  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
@@ -1399,8 +1399,8 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
         fully_shard(policy, mp_policy=precision)  # the root: embeddings, final norm, lm_head
         if not env.is_main:
             policy.to_empty(device=env.device)
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(policy, rank0_weights, options=options)
+        options = dcp_state.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dcp_state.set_model_state_dict(policy, rank0_weights, options=options)
         for buffer in policy.buffers():  # RoPE's frequencies are no part of a state dict
             dist.broadcast(buffer, src=0)
         return policy
@@ -1633,9 +1633,8 @@ def check_model(cfg: Config, model_config) -> int:
     head = lm.get_output_embeddings()
     # what the trainer's logprobs leave out: refused, not trained wrong (the probe would stop it)
     need(getattr(head, "bias", None) is None, "model", "its lm_head has a bias (Phi-2, GPT-J)")
-    for scale in ("logits_scaling", "logit_scale", "dim_model_base"):  # Granite, Cohere, MiniCPM
-        scaled = getattr(model_config, scale, None) not in (None, 1)
-        need(not scaled, "model", f"its logits are scaled ({scale})")
+    for k in ("logits_scaling", "logit_scale", "dim_model_base"):  # Granite, Cohere, MiniCPM
+        need(getattr(model_config, k, None) in (None, 1), "model", f"its logits are scaled ({k})")
     sinks = [n for n, _ in lm.named_parameters() if n.endswith("sinks")]
     need(not sinks, "model", f"it has attention sinks ({sinks[:1]}, gpt-oss)")
     for name, module in lm.named_modules() if cfg.use_peft else ():
@@ -1789,8 +1788,6 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, dige
     """checkpoint-<step>/, a .tmp dir renamed last: HF weights (fp32; LoRA: merged in the last
     one, and adapter/), tokenizer, grpo_config.json, optimizer/ (DCP), trainer_state.pt.
     digest: the training rows' rows_digest, computed once at start."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
     final = os.path.join(cfg.output_dir, f"checkpoint-{step}")
     tmp = final + ".tmp"
     if env.is_main:
@@ -1802,16 +1799,14 @@ def save_checkpoint(cfg, env, step, trainer, tokenizer, data_position: int, dige
     # collective), rank 0 alone keeps them, in RAM. LoRA: merged in the last checkpoint only.
     lm = trainer.lm
     merged = not cfg.use_peft or step == cfg.max_steps
-    weights = {}
-    for name, tensor in full_weights(lm, torch.float32, env.device, 2**30) if merged else ():
-        if env.is_main:
-            weights[name] = tensor.cpu()
+    walk = full_weights(lm, torch.float32, env.device, 2**30) if merged else ()
+    weights = {name: tensor.cpu() for name, tensor in walk if env.is_main}  # every rank walks
     adapter = {name: full_tensor(p, torch.float32, env.device).cpu()  # every rank: collectives
                for name, p in lm.named_parameters() if ".lora_" in name}
 
     # AdamW's state: every rank writes its shards (DCP)
-    optimizer_state = {"optimizer": get_optimizer_state_dict(trainer.policy, trainer.optimizer)}
-    dcp.save(optimizer_state, checkpoint_id=os.path.join(tmp, "optimizer"))
+    optimizer_state = dcp_state.get_optimizer_state_dict(trainer.policy, trainer.optimizer)
+    dcp.save({"optimizer": optimizer_state}, checkpoint_id=os.path.join(tmp, "optimizer"))
 
     # rank 0: the rest, then the rename that makes the checkpoint exist
     if env.is_main:
@@ -1870,8 +1865,6 @@ def read_checkpoint_state(path: str) -> dict:
 
 def load_optimizer(path: str, policy, optimizer):
     """The AdamW state of checkpoint `path`, resharded to this run's layout (any world size)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import state_dict as dcp_state
     state = {"optimizer": dcp_state.get_optimizer_state_dict(policy, optimizer)}  # its layout
     # DCP unpickles non-tensor values with weights_only=False: forced to True, for this load only
     with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
@@ -1898,8 +1891,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     plain = (120 if cuda else 180) * hidden * layers  # bytes per token
     checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
-    per_param = 4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)
-    per_param = per_param / (env.world if cfg.fsdp else 1)
+    per_param = (4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
 
     # the room for activations: 85% of the device, less the trainer's state, and the engine's
     # share while it is awake
