@@ -13,11 +13,14 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
 Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
-Each section opens with its main function (what the loop calls, or train_step); helpers follow. A first reading of one step:
-rows_for_step (1), rollout and generate (2), score, make_batch and compute_advantages (3),
-NORMALISERS, loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5),
-ColocatedEngine (6), run's loop (7); helpers when you need them; the appendix (setup, checks,
-data, checkpoints, the memory plan, metrics, tool turns, the logprob kernel, the CLI) can wait.
+Each section opens with its main function (what the loop calls, or train_step; section 4 with
+the normalisers' table, then grpo_loss); helpers follow. A first reading of one step: run's loop
+(7) first, for the frame (each phase names the function it calls); then rows_for_step (1),
+rollout and generate (2), score, make_batch and compute_advantages (3), NORMALISERS,
+loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5), ColocatedEngine (6);
+helpers when you need them; the appendix (setup, checks, data, checkpoints, the memory plan,
+metrics, tool turns, the logprob kernel, the CLI) can wait. The namespaces a step reads: env
+(setup_env, setup_distributed), plan (memory_plan), trainer (build_trainer), batch (make_batch).
 "Variant (...)" in a comment marks the code below it that is off at the defaults (a flag or a
 paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and bonus, tp >
 1): a first reading skips those lines.
@@ -106,7 +109,7 @@ class Config:
     num_eval: int = arg(128, "held-out prompts scored with greedy decoding at each eval")
     num_generations: int = arg(8, "G: completions sampled per prompt (a group)")
     per_device_train_batch_size: int = arg(16, "x gradient_accumulation_steps: completions a step")
-    gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size")
+    gradient_accumulation_steps: int = arg(8, "see per_device_train_batch_size: the product counts")
     max_tokens_per_microbatch: int = arg(0, "tokens of one packed micro-batch (0: the memory plan)")
     max_prompt_length: int = arg(256, "longer prompts are dropped when the data loads")
     max_completion_length: int = arg(256, "new tokens per completion (the model's and tools')")
@@ -177,17 +180,6 @@ class Config:
 
 
 # ===== 1. The prompts of a step: one shuffled stream of data positions, each rank its slice =======
-def derive_seed(*parts) -> int:
-    """A 31-bit seed from a tuple of parts (run seed, purpose, position...), on every machine."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
-
-
-@functools.lru_cache(maxsize=4)
-def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    generator = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
-    return torch.randperm(n, generator=generator).tolist()
-
-
 def rows_for_step(rows, data_position: int, rank: int, prompts_drawn: int, seed: int):
     """(positions, rows) of the prompts_drawn prompts this rank draws for one rollout.
     data_position: the prompts all ranks drew so far (it grows by world x prompts_drawn at each
@@ -199,6 +191,17 @@ def rows_for_step(rows, data_position: int, rank: int, prompts_drawn: int, seed:
         epoch, offset = divmod(i, len(rows))
         step_rows.append(rows[epoch_permutation(len(rows), seed, epoch)[offset]])
     return positions, step_rows
+
+
+def derive_seed(*parts) -> int:
+    """A 31-bit seed from a tuple of parts (run seed, purpose, position...), on every machine."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:4], "little") & 0x7FFFFFFF
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    generator = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
+    return torch.randperm(n, generator=generator).tolist()
 
 
 # ===== 2. Rollout: G completions per prompt from this rank's engine (tool turns: appendix G) =====
@@ -332,16 +335,17 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
 
     # The groups whose criterion reward varies (one function, not the weighted sum), logged, and
     # what dynamic sampling picks by. nanstd is NaN or -0.0 for a group with fewer than 2 scored
-    # completions, and NaN > 0 is False: such a group does not vary.
+    # completions, and NaN > 1e-8 is False: such a group does not vary.
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
 
     # A step trains on completions_per_rank // G groups: at the default (factor 1), every drawn
-    # group, in order, no filler. Variant (--dynamic_sampling_factor > 1, DAPO's dynamic sampling):
-    # the varied ones first, in order, then "filler" groups that did not vary, which fill the batch
-    # but get no loss and no count.
+    # group, in order, no filler (D G = N)
     groups = list(range(len(drawn_rows)))
-    filler = torch.zeros(len(drawn_samples), dtype=torch.bool)  # [D G]; replaced below if F > 1
+    filler = torch.zeros(len(drawn_samples), dtype=torch.bool)  # [D G]
+    # Variant (--dynamic_sampling_factor F > 1, DAPO's dynamic sampling): the varied groups first,
+    # in order, then "filler" groups that did not vary, which fill the batch but get no loss and
+    # no count; filler becomes [N]
     if cfg.dynamic_sampling_factor > 1:
         varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
         groups = varied_first[:cfg.completions_per_rank // G]
@@ -356,17 +360,17 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
 
-    # group-relative advantages, over the group's std by default. Variant (--scale_rewards batch):
-    # the std of every rank's rewards but the fillers' (NaN)
-    batch_rewards = None
+    # group-relative advantages, over the group's std by default (compute_advantages)
+    all_rewards = None
+    # Variant (--scale_rewards batch): the std of every rank's rewards but the fillers' (NaN)
     if cfg.scale_rewards == "batch":
-        batch_rewards = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
+        all_rewards = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
         if env.world > 1:
-            everyone = [torch.zeros_like(batch_rewards) for _ in range(env.world)]
-            dist.all_gather(everyone, batch_rewards)
-            batch_rewards = torch.cat(everyone)  # [world N]
-        batch_rewards = batch_rewards.cpu()
-    advantages = compute_advantages(rewards, G, cfg.scale_rewards, batch_rewards)  # [N]
+            everyone = [torch.zeros_like(all_rewards) for _ in range(env.world)]
+            dist.all_gather(everyone, all_rewards)
+            all_rewards = torch.cat(everyone)  # [world N]
+        all_rewards = all_rewards.cpu()
+    advantages = compute_advantages(rewards, G, cfg.scale_rewards, all_rewards)  # [N]
 
     # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results and
     # after the end. loss_mask: the tokens that learn (no filler, no truncated one if masked).
@@ -400,11 +404,11 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
                            vllm_logps=vllm_logps, old_logps=None, ref_logps=None, stats=stats)
 
 
-def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", batch_rewards=None):
+def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", all_rewards=None):
     """rewards [N] (G consecutive values per group) -> advantages [N]:
         A_i = (r_i - mean_group(r)) / (std + 1e-4)     std: the group's or the batch's
         A_i = r_i - mean_group(r)                       --scale_rewards none (Dr. GRPO)
-    The batch's std spans batch_rewards (default: rewards): make_batch passes every rank's.
+    The batch's std spans all_rewards (default: rewards): make_batch passes every rank's.
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
     it once dynamic sampling has picked the groups (and gathers every rank's rewards: "batch")."""
@@ -413,7 +417,7 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", bat
     if scale_rewards == "group":
         advantages = advantages / (nanstd(grouped) + 1e-4)
     elif scale_rewards == "batch":
-        everyone = rewards if batch_rewards is None else batch_rewards
+        everyone = rewards if all_rewards is None else all_rewards
         advantages = advantages / (nanstd(everyone.view(1, -1)) + 1e-4)
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
 
@@ -431,11 +435,11 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 
 
 # ===== 4. The loss: the math that papers change; then the per-token logprobs it needs =============
-# How each loss_type turns its per-token losses l_t m_t into one number (TRL 1.16's). N: the global
+# How each loss_type turns its per-token losses l_t m_t into one number (TRL 1.16's). S: the global
 # batch's sequences (every rank's, fillers left out). loss_normaliser tells how this sets the scale.
-#   "sequences"   sum_i [ sum_t l m / sum_t m ] / N      each sequence weighs the same   grpo, sapo
+#   "sequences"   sum_i [ sum_t l m / sum_t m ] / S      each sequence weighs the same   grpo, sapo
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
-#   "constant"    sum_it l m / (N max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
+#   "constant"    sum_it l m / (S max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
 #   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
 # A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, and a MEANS
 # row for any new statistic it logs (test_normalisers_cover_every_loss_type checks the first two).
@@ -667,23 +671,24 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
 
-                # the entropy mask, the tokens that learn: all of them by default. Variant
-                # (--top_entropy_quantile < 1, the 80/20 rule): the top rho by entropy
+                # the entropy mask, the tokens that learn: all of them by default
                 entropy_mask = torch.ones_like(entropy)  # [b, T]
+                # Variant (--top_entropy_quantile < 1, the 80/20 rule): the top rho by entropy
                 if cfg.top_entropy_quantile < 1:
                     q = 1 - cfg.top_entropy_quantile
                     threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
                     entropy_mask = (entropy >= threshold).float()
 
-                # the loss, x loss_scale (loss_normaliser). Variant (--entropy_coef): minus TRL's
-                # entropy bonus, c x the learning tokens' mean entropy, outside the normaliser, a
-                # mean over the micro-batches that train (micro_batch_weight)
+                # the loss, x loss_scale (loss_normaliser)
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, entropy_mask, global_count)
+                total = loss * loss_scale
+                # Variant (--entropy_coef c; 0 at the defaults): minus TRL's entropy bonus, c x the
+                # learning tokens' mean entropy, outside the normaliser, a mean over the
+                # micro-batches that train (micro_batch_weight)
                 learning = entropy_mask * mb.loss_mask  # [b, T]
                 mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
-                bonus = cfg.entropy_coef * mean_entropy * micro_batch_weight
-                total = loss * loss_scale - bonus
+                total = total - cfg.entropy_coef * mean_entropy * micro_batch_weight
 
                 # backward
                 total.backward()
@@ -840,6 +845,9 @@ class ColocatedEngine:
     share + 2 GiB is free: the trainer's cached blocks go back to the driver), wake the weights,
     push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
     the KV cache last (the push's bucket, which PyTorch keeps cached, fits in those 2 GiB).
+    The push itself: push_weights hands the engine full_weights, each parameter whole (under
+    FSDP2 gathered with full_tensor; LoRA merged), in buckets of --weight_push_bucket_mb, and
+    resets the prefix cache.
 
     Who calls: run puts it to sleep (with sleep mode on) before the trainer loads, then gives it
     its first push; the loop sleeps it after each rollout, once the trainer's turn comes, and
@@ -1062,16 +1070,16 @@ def run(cfg: Config, env, inputs, trackers=()):
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # old: see train_step
                     policy = unwrap(trainer.policy)
-                    batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.tokens)
+                    batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.token_budget)
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
                     with trainer.lm.disable_adapter() if cfg.use_peft else nullcontext():
                         batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env,
-                                                        plan.tokens)
+                                                        plan.token_budget)
 
         # ======== train: packed micro-batches, the loss, one AdamW step
         lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses
         train_stats = train_step(trainer.policy, trainer.optimizer, trainer.scheduler, batch, cfg,
-                                 env, plan.tokens, ledger, step)
+                                 env, plan.token_budget, ledger, step)
         sample_memory(env, memory)  # the trainer's peak is freed; max_memory_allocated has it
         iterations_on_batch += 1
 
@@ -1936,7 +1944,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     need(tokens >= cfg.longest_sequence, "max_completion_length", f"a sequence of "
          f"{cfg.longest_sequence} tokens needs {cfg.longest_sequence * per_token / 2**30:.1f} GiB of "
          f"activations; {max(room, 0) / 2**30:.1f} GiB are free: shorten it, or shard with --fsdp")
-    return SimpleNamespace(tokens=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
+    return SimpleNamespace(token_budget=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
 # ---- F. Metrics: the global means, the stdout line, metrics.jsonl, trackers ----
@@ -2041,7 +2049,8 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     m["completion_tokens_per_sec_per_gpu"] = t["length"] / env.world / m["time/step"]
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
-    # training MFU: 6 N FLOPs (N = matmul_params) per trained prompt + completion token
+    # training MFU: 6 N FLOPs (N = matmul_params) per prompt and model-written token of the
+    # batch (fillers and masked ones too: all go through forward and backward; tool results not)
     if peak := peak_flops(env):
         train_time = ledger["fwd_bwd"] + ledger["optimizer"]
         m["mfu"] = 6 * n_params * (t["prompt_tokens"] + t["length"]) / env.world / train_time / peak
@@ -2087,8 +2096,9 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
            f"{' + '.join(trainer)} | device {env.device.type} | dtype {str(env.dtype)[6:]} | policy "
            f"{params:.1f}M params")
     print0(f"per process and step: {completions // G} prompts (of {prompts_drawn} generated) x G "
-           f"{G} = {completions} completions, in packed micro-batches of <= {plan.tokens} tokens "
-           f"({env.attention}) | global batch {completions * env.world} completions")
+           f"{G} = {completions} completions, in packed micro-batches of <= "
+           f"{plan.token_budget} tokens ({env.attention}) | global batch {completions * env.world} "
+           f"completions")
     check = "sampled tokens" if cfg.vllm_importance_sampling_correction else "probe"
     _, train_rows, eval_rows = inputs.data
     print0(f"engine: max_model_len {cfg.longest_sequence}, max_num_seqs {max_num_seqs(cfg, env)}, "

@@ -736,7 +736,7 @@ def test_memory_plan(monkeypatch):
 
     def plan(env=gpu, shape=QWEN15, params=N15, **flags):  # (tokens, checkpointing, sleep)
         p = gc.memory_plan(gc.Config(**flags), env, shape, params)
-        return p.tokens, p.checkpointing, p.sleep
+        return p.token_budget, p.checkpointing, p.sleep
     # room = 0.85 x 80 GiB - 16 x 1,543,714,304 = 73,014,444,032 - 24,699,428,864 = 48,315,015,168 bytes;
     # 120 x 1536 x 28 = 5,160,960 bytes per token: 9,361 tokens. An engine of 0 bytes leaves as much
     # room awake: as many micro-batches, so the engine stays awake
@@ -804,7 +804,7 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
         cfg = gc.Config(**{"num_generations": 8, "gradient_accumulation_steps": 1,
                            "max_completion_length": 1024, **flags})  # sequences of <= 256 + 1,024 tokens
         p = gc.memory_plan(cfg, env, shape, params)
-        return p.tokens, p.checkpointing, p.sleep, p.why
+        return p.token_budget, p.checkpointing, p.sleep, p.why
     # 8 completions, <= 8 x 1,280 = 10,240 tokens: 1 micro-batch awake as asleep, so it stays awake
     assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (14413, False, False)
     assert 16 * n05 + 14413 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
@@ -824,11 +824,11 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     # the Qwen2.5-1.5B shape: 48,315,015,168 - 27,917,287,424 = 20,397,727,744 bytes beside the engine,
     # under 4,096 x 5,160,960 = 21,139,292,160: it sleeps (as on an H100)
     assert gc.memory_plan(gc.Config(), env, QWEN15, N15).sleep is True
-    assert gc.memory_plan(gc.Config(), env, QWEN15, N15).tokens == 9361
+    assert gc.memory_plan(gc.Config(), env, QWEN15, N15).token_budget == 9361
     # --vllm_enable_sleep_mode false: the room beside the engine, however small; 4,096 tokens do not
     # fit there, so checkpointed: 4 x 1536 x 28 + 120 x 1536 = 356,352 bytes per token, 57,240 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
-    assert (p.tokens, p.checkpointing, p.sleep) == (57240, True, False)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (57240, True, False)
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
@@ -897,7 +897,7 @@ def test_parity_probe_fits_the_engine(tiny_model, smol_tokenizer, tmp_path, monk
     def probe(row, max_prompt_length, max_completion_length):
         cfg = gc.Config(model=tiny_model(), max_prompt_length=max_prompt_length, output_dir=str(tmp_path),
                         max_completion_length=max_completion_length, reward_funcs=["reward_len"])
-        plan = SimpleNamespace(tokens=BUDGET, checkpointing=False, sleep=False, why="off")
+        plan = SimpleNamespace(token_budget=BUDGET, checkpointing=False, sleep=False, why="off")
         with pytest.raises(FirstPush):
             gc.run(cfg, cpu_env(), SimpleNamespace(model_config=None, data=(tok, [row], [row]), state=None,
                                                    plan=plan))
@@ -1484,7 +1484,7 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
     monkeypatch.setattr(gc, "train_step", recording_train_step)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 80 * GiB))  # the wake's
     rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(4)]
-    plan = SimpleNamespace(tokens=BUDGET, checkpointing=False, sleep=True, why="level 2")
+    plan = SimpleNamespace(token_budget=BUDGET, checkpointing=False, sleep=True, why="level 2")
     gc.run(cfg, cpu_env(), SimpleNamespace(model_config=None, data=(smol_tokenizer, rows, rows[:1]), state=None,
                                            plan=plan))
     # push, eval 0, rollout, train 1, eval 1 (wakes: push), train 2, push, eval 2
@@ -3356,8 +3356,8 @@ def test_memory_plan_floors_at_the_longest_sequence(monkeypatch):
     room = 0.85 * 80 * GiB - 16 * N15  # 48,315,015,168 bytes
     plan = gc.memory_plan(gc.Config(max_completion_length=16384), gpu, QWEN15, N15)
     per_token = 4 * 1536 * 28 + 120 * 1536  # checkpointed: 356,352 bytes
-    assert plan.checkpointing and plan.tokens == int(room // per_token) == 135_582
-    assert plan.tokens * per_token <= room and 16640 * 120 * 1536 * 28 > room
+    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 135_582
+    assert plan.token_budget * per_token <= room and 16640 * 120 * 1536 * 28 > room
 
 
 def test_filler_groups_do_not_count_as_sequences(monkeypatch):
@@ -3857,7 +3857,7 @@ def test_full_determinism_is_off_while_vllm_samples(capsys):
         torch.use_deterministic_algorithms(False)
     assert llm.seen == [(False, None)]
     cfg = gc.Config(full_determinism=True, lora_dropout=0.1)
-    plan = SimpleNamespace(tokens=100, checkpointing=False, why="off")
+    plan = SimpleNamespace(token_budget=100, checkpointing=False, why="off")
     inputs = SimpleNamespace(data=(None, [], []))
     gc.print_setup(cfg, cpu_env(), plan, tiny_llama(), inputs, 0, 16)
     assert "warning: --full_determinism does not hold across a resume with --lora_dropout" in capsys.readouterr().out

@@ -160,7 +160,7 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
     batch = tb.random_batch(gc, "fixed", batch)
     mask = batch.model_mask
     # precision: the batch's logprobs before any update, against those `main` computes (saved by its run)
-    logps = gc.no_grad_logps(policy, batch, cfg, env, plan.tokens)
+    logps = gc.no_grad_logps(policy, batch, cfg, env, plan.token_budget)
     ref_path = f"/tmp/precision_ref_{shape}.pt"
     drift = None
     if variant == "main":
@@ -172,7 +172,7 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
     for step in range(steps):
         gc.cuda_sync(env)
         start = time.perf_counter()
-        stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.tokens, {}, step + 1)
+        stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, {}, step + 1)
         gc.cuda_sync(env)
         times.append(time.perf_counter() - start)
         if stats["skipped"]:
@@ -181,7 +181,7 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
         from torch.profiler import ProfilerActivity, profile as torch_profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch_profile(activities=activities) as prof:
-            gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.tokens, {}, steps + 1)
+            gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, {}, steps + 1)
             gc.cuda_sync(env)
         with open(profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=80))
@@ -189,7 +189,7 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
     peak = gc.peak_flops(env) or 989e12
     print(json.dumps({"shape": shape, "variant": variant, "step1_s": round(times[0], 2), "median_s": round(median, 4),
                       "mfu": round(6 * gc.matmul_params(lm) * tokens / median / peak, 4),
-                      "microbatches": len(gc.plan_micro_batches(batch, plan.tokens, env)), "budget": plan.tokens,
+                      "microbatches": len(gc.plan_micro_batches(batch, plan.token_budget, env)), "budget": plan.token_budget,
                       "checkpointing": plan.checkpointing,
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
                       "drift_vs_main": drift}), flush=True)

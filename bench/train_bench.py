@@ -165,7 +165,7 @@ def one(shape, lengths, variant, profile=None, steps=6, batch=BATCH):
         ledger = {}
         gc.cuda_sync(env)
         start = time.perf_counter()
-        stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.tokens, ledger, step + 1)
+        stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, ledger, step + 1)
         gc.cuda_sync(env)
         times.append(time.perf_counter() - start)
         compile_s = times[0] if step == 0 else compile_s
@@ -175,7 +175,7 @@ def one(shape, lengths, variant, profile=None, steps=6, batch=BATCH):
         from torch.profiler import ProfilerActivity, profile as torch_profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with torch_profile(activities=activities) as prof:
-            gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.tokens, {}, steps + 1)
+            gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, {}, steps + 1)
             gc.cuda_sync(env)
         averages = prof.key_averages()
         with open(profile, "w") as f:
@@ -193,7 +193,7 @@ def one(shape, lengths, variant, profile=None, steps=6, batch=BATCH):
     print(json.dumps({"shape": shape, "lengths": lengths, "variant": variant, "step_s": round(median, 4),
                       "first_step_s": round(compile_s, 2), "tokens": tokens, "tok_per_s": round(tokens / median),
                       "mfu": round(6 * n * tokens / median / peak, 4), "microbatches": len(gc.plan_micro_batches(
-                          batch, plan.tokens, env)), "budget": plan.tokens,
+                          batch, plan.token_budget, env)), "budget": plan.token_budget,
                       "checkpointing": plan.checkpointing, "sleep": plan.why,
                       "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
                       "syncs_in_profiled_step": syncs, "cuda_kernels": kernels, "gpu_busy_s": gpu_busy}), flush=True)
