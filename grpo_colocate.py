@@ -14,16 +14,16 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
 
 Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
 Each section opens with its main function (what the loop calls, or train_step; section 4 with
-the normalisers' table, then grpo_loss); helpers follow. A first reading of one step: run's loop
-(7) first, for the frame (each phase names the function it calls); then rows_for_step (1),
-rollout and generate (2), score, make_batch and compute_advantages (3), NORMALISERS,
+the normalisers' table and loss_normaliser, then grpo_loss); helpers follow. A first reading of
+one step: run's loop (7) first, for the frame (its phase banners and their calls); then
+rows_for_step (1), rollout and generate (2), score, make_batch and compute_advantages (3), NORMALISERS,
 loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5), ColocatedEngine (6);
 helpers when you need them; the appendix (setup, checks, data, checkpoints, the memory plan,
 metrics, tool turns, the logprob kernel, the CLI) can wait. The namespaces a step reads: env
 (setup_env, setup_distributed), plan (memory_plan), trainer (build_trainer), batch (make_batch).
-"Variant (...)" in a comment marks the code below it that is off at the defaults (a flag or a
-paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and bonus, tp >
-1): a first reading skips those lines.
+"Variant" in a comment marks the code below it (or the branch it heads) that is off at the
+defaults (a flag or a paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy
+mask and bonus, truncation masking, LoRA, tp > 1): a first reading skips those lines.
 Shapes: P prompts, G completions each, N = P G (a step's batch on one rank), D the prompts a
 rollout draws (P; more with dynamic sampling), T the longest completion (of the batch, or of a
 micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden size, V the
@@ -116,8 +116,8 @@ class Config:
     num_iterations: int = arg(1, "mu: optimizer steps per generation batch")
     learning_rate: float = arg(1e-6, "AdamW's peak learning rate")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = arg("linear", "after warmup")
-    warmup_steps: int = arg(0, "linear warmup: lr x s / W at step s < W (HF's schedulers)")
-    weight_decay: float = arg(0.0, "AdamW weight decay (not on biases and norms, as HF)")
+    warmup_steps: int = arg(0, "W: step s (from 1) trains at lr x (s - 1) / W while s <= W")
+    weight_decay: float = arg(0.0, "AdamW weight decay (not on 1-D parameters: biases, norms)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: none is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (num_iterations > 1, LoRA dropout)")
@@ -134,7 +134,7 @@ class Config:
     vllm_importance_sampling_clip_max: float = arg(3.0, "the importance weight's cap")
     importance_sampling_level: Literal["token", "sequence"] = arg("token", "sequence: GSPO")
     top_entropy_quantile: float = arg(1.0, "rho: the policy term keeps the top rho by entropy")
-    entropy_coef: float = arg(0.0, "loss -= coef x the loss tokens' mean entropy (0: off)")
+    entropy_coef: float = arg(0.0, "loss -= coef x the learning tokens' mean entropy (0: off)")
     dynamic_sampling_factor: float = arg(1.0, "DAPO: sample F x the groups, train varied ones")
     dynamic_sampling_reward: str = arg("", "DAPO: the reward that must vary ('': the first)")
     reward_funcs: list[str] = arg(["accuracy_reward"], "reward_fns.py names, or module:function")
@@ -379,7 +379,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     end_ids = {tokenizer.eos_token_id, tokenizer.pad_token_id}
     truncated = torch.tensor([is_truncated(s.token_ids, s.finish_reason, end_ids) for s in batch_samples])
     loss_mask = model_mask.float() * (~filler).float().unsqueeze(1)  # [N, T]
-    if cfg.mask_truncated_completions:
+    if cfg.mask_truncated_completions:  # Variant (TRL's overlong filtering)
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
 
     # vLLM's logprob of each token it sampled, for the IS correction (and the canary): the ones of
@@ -516,7 +516,8 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
 
     # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
     # clip acts: the term is -A (cispo: -A logp; sapo: -2 A / tau), its gradient -A grad logp in
-    # all three. Clips bite from the second iteration. The defaults (dapo) take the last branch.
+    # all three (each x the IS weight w). Clips bite from the second iteration. The defaults
+    # (dapo) take the last branch.
     if cfg.loss_type == "cispo":  # Variant: every token keeps a gradient, through logp
         per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
     elif cfg.loss_type == "sapo":  # Variant: a gate that fades where a clip would cut
@@ -625,7 +626,7 @@ class Policy(nn.Module):
         if not self.entropy_grad:  # logged, or ranking tokens (--top_entropy_quantile)
             entropy = entropy.detach()
         # unpack: the ones of model_mask in row-major order are the scored tokens in pack's
-        # completion_index order (a prompt has a token at least: completion_index - 1 is in its row)
+        # completion_index order (a prompt has a token at least: completion_index - 1 is its own)
         return tuple(x.new_zeros(model_mask.shape).masked_scatter(model_mask.bool(), x)
                      for x in (logps, entropy))
 
@@ -683,12 +684,12 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, entropy_mask, global_count)
                 total = loss * loss_scale
-                # Variant (--entropy_coef c; 0 at the defaults): minus TRL's entropy bonus, c x the
-                # learning tokens' mean entropy, outside the normaliser, a mean over the
-                # micro-batches that train (micro_batch_weight)
-                learning = entropy_mask * mb.loss_mask  # [b, T]
-                mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
-                total = total - cfg.entropy_coef * mean_entropy * micro_batch_weight
+                # Variant (--entropy_coef c): minus TRL's entropy bonus, c x the learning tokens'
+                # mean entropy, outside the normaliser, a mean over the micro-batches that train
+                if cfg.entropy_coef != 0:
+                    learning = entropy_mask * mb.loss_mask  # [b, T]
+                    mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
+                    total = total - cfg.entropy_coef * mean_entropy * micro_batch_weight
 
                 # backward
                 total.backward()
@@ -844,7 +845,8 @@ class ColocatedEngine:
     wake without a push. wake_and_push, in order: empty_cache (only if less than the engine's
     share + 2 GiB is free: the trainer's cached blocks go back to the driver), wake the weights,
     push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
-    the KV cache last (the push's bucket, which PyTorch keeps cached, fits in those 2 GiB).
+    the KV cache last (the push's bucket, which PyTorch keeps cached, fits in those 2 GiB at the
+    default --weight_push_bucket_mb, 1024).
     The push itself: push_weights hands the engine full_weights, each parameter whole (under
     FSDP2 gathered with full_tensor; LoRA merged), in buckets of --weight_push_bucket_mb, and
     resets the prefix cache.
@@ -926,7 +928,7 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
     bucket = []
     for i, (name, p) in enumerate(params):
         tensor = full_tensor(p, dtype, device)
-        if name.endswith(".base_layer.weight"):  # peft's <module>.base_layer: W of an adapter
+        if name.endswith(".base_layer.weight"):  # Variant (--use_peft): W of an adapter, merged
             layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
             A = full_tensor(layer.lora_A["default"].weight, torch.float32, device)  # [r, in]
             B = full_tensor(layer.lora_B["default"].weight, torch.float32, device)  # [out, r]
@@ -967,8 +969,9 @@ def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
 
 
 # The mean |logp gap| allowed. Measured: ~1e-5 in fp32 and 0.04-0.17 in bf16 when the engine holds
-# the trainer's weights; 7.1 after a level-2 wake without a push. So the check catches an engine
-# that never got the weights or a name that missed them; in bf16 an engine one step behind passes.
+# the trainer's weights; 7.1 after a level-2 wake without a push. So it catches an engine that
+# never got the weights, and a name the push missed once the engine's copy differs (at once after
+# a level-2 sleep; awake, as training moves it); in bf16 an engine one step behind passes.
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 
@@ -1053,7 +1056,7 @@ def run(cfg: Config, env, inputs, trackers=()):
                 prompt_ids = [row["prompt_ids"] for row in rows]
                 samples, tool_counts = rollout(llm, cfg, env, tokenizer, prompt_ids, positions)
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
-            engine.sleep(ledger)  # the trainer gets the GPU
+            engine.sleep(ledger)  # the trainer gets the GPU (with sleep mode on)
 
             # ======== score: every reward function on the decoded completions, [D G, R]
             with timed(ledger, "reward", env):
@@ -1106,7 +1109,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             engine.wake_and_push(trainer.policy, step, ledger)
 
         # ======== log: stdout and metrics.jsonl; the greedy eval
-        cuda_sync(env)  # what no phase timed (batching, advantages...): the ledger sums to the step
+        cuda_sync(env)  # what no phase timed (batching...): the ledger sums to the step, eval apart
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         step_times.append(sum(ledger.values()))
         record = {"step": step}
@@ -1158,8 +1161,9 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 def setup_env(cfg: Config) -> SimpleNamespace:
-    """This rank's place (torchrun's environment) and its platform's ways, decided once: the step
-    itself has no platform branch. setup_distributed adds tp_group, the only later field."""
+    """This rank's place (torchrun's environment) and its platform's ways, decided once (the
+    step reads them: env.push_via, env.attention, env.device...). setup_distributed adds tp_group,
+    the only later field."""
     # plain `python grpo_colocate.py`: a world of one, with a process group all the same (the
     # collectives work at world 1; the `world > 1` guards only skip needless ones)
     if "RANK" not in os.environ:
@@ -1461,7 +1465,7 @@ def build_trainer(cfg: Config, env, plan, state) -> SimpleNamespace:
         ref_lm = load_lm(cfg.model, load_to, env.attention, cfg.trust_remote_code, meta)
         reference = wrap_policy(ref_lm.requires_grad_(False), env, cfg, False, trainable=False)
 
-    # AdamW: weight decay on the matrices, not on biases and norms (HF's Trainer, so TRL's)
+    # AdamW: weight decay on the matrices, not on 1-D ones (HF's, so TRL's: biases, norms by name)
     decay = {"params": [], "weight_decay": cfg.weight_decay}
     no_decay = {"params": [], "weight_decay": 0.0}
     for name, p in policy.named_parameters():
@@ -2019,7 +2023,7 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
         local[f"rewards/{fn.__name__}"] = s["rewards_per_func"][:, j].nansum()
         local[f"scored/{fn.__name__}"] = (~s["rewards_per_func"][:, j].isnan()).sum()
         means[f"rewards/{fn.__name__}"] = (f"rewards/{fn.__name__}", f"scored/{fn.__name__}")
-    local.update(train_stats)  # its sums (and grad_norm, skipped, the canary's gap: unread)
+    local.update(train_stats)  # its sums (and grad_norm, skipped, sampled_gap/rank_max: unread)
 
     # summed over the ranks, then the means
     totals = torch.tensor([float(v) for v in local.values()], dtype=torch.float64, device=env.device)
@@ -2029,7 +2033,8 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
     m = {name: t[num] / max(t[den], 1.0) for name, (num, den) in means.items() if num in t}
 
-    # the stds, Bessel-corrected as torch.std: sqrt((E[r^2] - E[r]^2) n / (n - 1)); the extremes
+    # reward_std as torch.std (Bessel): sqrt((E[r^2] - E[r]^2) n / (n - 1)); advantage_std: the RMS
+    # of the advantages (fillers' too); the extremes
     n = t["scored"]
     m["reward_std"] = math.sqrt(max(t["reward_sq"] / max(n, 1) - m["reward"] ** 2, 0.0) * n / max(n - 1, 1))
     m["advantage_std"] = math.sqrt(t["adv_sq"] / t["completions"])
@@ -2049,8 +2054,8 @@ def reduce_metrics(cfg, env, batch, train_stats, ledger, memory, n_params, push_
     m["completion_tokens_per_sec_per_gpu"] = t["length"] / env.world / m["time/step"]
     if ledger.get("generate"):
         m["generate_tokens_per_sec_per_gpu"] = t["generated_tokens"] / env.world / ledger["generate"]
-    # training MFU: 6 N FLOPs (N = matmul_params) per prompt and model-written token of the
-    # batch (fillers and masked ones too: all go through forward and backward; tool results not)
+    # training MFU: 6 N FLOPs (N = matmul_params) per prompt and model-written token of the batch,
+    # fillers and masked ones too (tool results, in forward and backward too, are not counted)
     if peak := peak_flops(env):
         train_time = ledger["fwd_bwd"] + ledger["optimizer"]
         m["mfu"] = 6 * n_params * (t["prompt_tokens"] + t["length"]) / env.world / train_time / peak
