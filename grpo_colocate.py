@@ -358,7 +358,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     # the weighted reward; a completion no function scored is NaN, left out by compute_advantages
     rewards = (batch_rewards_per_func * reward_weights).nansum(1)  # [N]
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
-    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: groups without a gradient
+    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: the weighted reward flat
 
     # group-relative advantages, over the group's std by default (compute_advantages)
     all_rewards = None
@@ -601,8 +601,8 @@ class Policy(nn.Module):
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
         logp_t = log_softmax(logits_{t-1} / temperature)[token_t]     (logits: lm_head(hidden))
     (with --top_k / --top_p: the log_softmax over the tokens vLLM's sampler could draw). Written so,
-    the [L, V] fp32 logits of a micro-batch would not fit (at 1.5B: 9,664 x 151,936 x 4 B = 5.9
-    GB); TokenLogprobs (appendix H) computes the same a chunk of rows at a time."""
+    each [L, V] fp32 tensor of a micro-batch takes 5.9 GB at 1.5B (9,664 x 151,936 x 4 B), and
+    autograd keeps several; TokenLogprobs (appendix H) computes it a chunk of tokens at a time."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
         super().__init__()
@@ -641,7 +641,8 @@ class Policy(nn.Module):
 # mean of micro-batch means, the entropy bonus's, and --top_entropy_quantile's threshold.
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
     """One AdamW step on this rank's batch. Returns the step's logged sums (micro_batch_sums),
-    grad_norm, skipped (1: a non-finite step, no update) and the canary's sampled_gap/rank_max."""
+    grad_norm, skipped (1: a non-finite step; no update then, nor with fillers alone) and the
+    canary's sampled_gap/rank_max."""
     cuts = plan_micro_batches(batch, budget, env)
     global_count, loss_scale, micro_batch_weight = loss_normaliser(cfg.loss_type, batch, cuts, env)
     sums = {}  # the logged sums, tensors until the end: a float() each would stall the GPU
@@ -845,11 +846,10 @@ class ColocatedEngine:
     wake without a push. wake_and_push, in order: empty_cache (only if less than the engine's
     share + 2 GiB is free: the trainer's cached blocks go back to the driver), wake the weights,
     push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
-    the KV cache last (the push's bucket, which PyTorch keeps cached, fits in those 2 GiB at the
-    default --weight_push_bucket_mb, 1024).
-    The push itself: push_weights hands the engine full_weights, each parameter whole (under
-    FSDP2 gathered with full_tensor; LoRA merged), in buckets of --weight_push_bucket_mb, and
-    resets the prefix cache.
+    the KV cache last (the push's bucket, which PyTorch keeps cached, is meant to fit in those 2
+    GiB: --weight_push_bucket_mb, 1024, plus the tensor that fills it). The push itself:
+    push_weights hands the engine full_weights, each parameter whole (under FSDP2 gathered with
+    full_tensor; LoRA merged), a bucket at a time, and resets the prefix cache.
 
     Who calls: run puts it to sleep (with sleep mode on) before the trainer loads, then gives it
     its first push; the loop sleeps it after each rollout, once the trainer's turn comes, and
