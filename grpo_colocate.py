@@ -13,17 +13,17 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
 Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
-Each section opens with its main function (what the loop calls, or train_step; section 4 with
-the normalisers' table and loss_normaliser, then grpo_loss); helpers follow. A first reading of
-one step: run's loop (7) first, for the frame (its phase banners and their calls); then
-rows_for_step (1), rollout and generate (2), score, make_batch and compute_advantages (3), NORMALISERS,
+Each section opens with its main function (what the loop calls, or train_step; section 4 with the
+normalisers' table and loss_normaliser, then grpo_loss); helpers follow. A first reading of one
+step: run's loop (7) first, for the frame (its phase banners and their calls); then rows_for_step
+(1), rollout and generate (2), score, make_batch and compute_advantages (3), NORMALISERS,
 loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5), ColocatedEngine (6);
 helpers when you need them; the appendix (setup, checks, data, checkpoints, the memory plan,
 metrics, tool turns, the logprob kernel, the CLI) can wait. The namespaces a step reads: env
 (setup_env, setup_distributed), plan (memory_plan), trainer (build_trainer), batch (make_batch).
-"Variant" in a comment marks the code below it (or the branch it heads) that is off at the
-defaults (a flag or a paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy
-mask and bonus, truncation masking, LoRA, tp > 1): a first reading skips those lines.
+"Variant" in a comment marks the code below it (or the branch it heads) that is off at the defaults
+(a flag or a paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and
+bonus, truncation masking, LoRA, tp > 1): a first reading skips those lines.
 Shapes: P prompts, G completions each, N = P G (a step's batch on one rank), D the prompts a
 rollout draws (P; more with dynamic sampling), T the longest completion (of the batch, or of a
 micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden size, V the
