@@ -2,7 +2,8 @@
 
 Every rank trains the policy AND runs its own in-process vLLM engine on the same GPU (no server, no
 GPU set aside for inference), asleep while the trainer works where that saves time, given the new
-weights after each optimizer step (with --num_iterations > 1: after the last step on a batch). --report_to wandb / tensorboard streams the metrics (README: Watching).
+weights after each optimizer step (with --num_iterations > 1: after the last step on a batch).
+--report_to wandb / tensorboard streams the metrics (README: Watching).
 
 Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-Instruct):
     python grpo_colocate.py                       # one process: 1 GPU, or the CPU
@@ -12,22 +13,14 @@ Launch (`bash run.sh` sets up and runs a short job on the embedded SmolLM2-135M-
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $HEAD \
         --master_port 29500 grpo_colocate.py ...  # several nodes: the same line on every node
 
-Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); appendix.
-Each section opens with its main function (what the loop calls, or train_step; section 4 with the
-normalisers' table and loss_normaliser, then grpo_loss); helpers follow. A first reading of one
-step: run's loop (7) first, for the frame (its phase banners and their calls); then rows_for_step
-(1), rollout and generate (2), score, make_batch and compute_advantages (3), NORMALISERS,
-loss_normaliser and grpo_loss (4), Policy's docstring (4b), train_step (5), ColocatedEngine (6);
-helpers when you need them; the appendix (setup, checks, data, checkpoints, the memory plan,
-metrics, tool turns, the logprob kernel, the CLI) can wait. The namespaces a step reads: env
-(setup_env, setup_distributed), plan (memory_plan), trainer (build_trainer), batch (make_batch).
-"Variant" in a comment marks the code below it (or the branch it heads) that is off at the defaults
-(a flag or a paper's choice: dynamic sampling, GSPO, CISPO, SAPO, the KL, the entropy mask and
-bonus, truncation masking, LoRA, tp > 1): a first reading skips those lines.
-Shapes: P prompts, G completions each, N = P G (a step's batch on one rank), D the prompts a
-rollout draws (P; more with dynamic sampling), T the longest completion (of the batch, or of a
-micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden size, V the
-vocabulary, R reward functions.
+Reading order: Config; the parts of a step in the order it runs them (1-6); the loop (7); then
+one appendix of machinery. README.md ("Reading the file") gives a first reading's path and where
+each question's answer is. "Variant" in a comment marks the code below it (or the branch it
+heads) that is off at the defaults (a flag, or a paper's choice): a first reading skips it.
+Shapes (P G is a product, P x G): P prompts, G completions each, N = P G (a step's batch on one
+rank), D the prompts a rollout draws (P; more with dynamic sampling), T the longest completion
+(of the batch, or of a micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden
+size, V the vocabulary, R reward functions.
 
 Implemented (README.md, Variants): GRPO (group-relative advantages, the clipped surrogate, k3 KL,
 num_iterations > 1, TRL 1.16's loss normalisations); DAPO (clip-higher, overlong filtering and
@@ -217,8 +210,10 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     samples = []
     for out in generate(llm, env, prompt_ids, params, seeds):
         samples += [add_turn(c) for c in out.outputs]
+    # Variant (--tools): more turns, appended to the samples in place (without tools: the counts)
     sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
-    return samples, tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
+    counts = tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
+    return samples, counts
 
 
 def sampling_params(cfg: Config, greedy=False, logprobs=False):
@@ -270,8 +265,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     outputs = llm.generate(prompts, per_request, use_tqdm=False)
     torch.use_deterministic_algorithms(deterministic)
 
-    # Variant (tp > 1): every rank of the group must have sampled the same tokens (hash() of
-    # ints is stable)
+    # Variant (tp > 1): the group's ranks must have sampled the same tokens (hash() of ints: stable)
     if env.tp > 1:
         sampled = hash(tuple(tuple(c.token_ids) for out in outputs for c in out.outputs))
         if len(set(tp_gather(sampled, env))) > 1:
@@ -294,10 +288,10 @@ def tp_gather(obj, env) -> list:
 
 def add_turn(c, sample=None) -> SimpleNamespace:
     """sample (None: a new one) with vLLM's completion c appended: a turn of the model's."""
-    sample = sample or SimpleNamespace(token_ids=[], model_mask=[], logprobs=[])
+    sample = sample or SimpleNamespace(token_ids=[], model_mask=[], vllm_logps=[])
     sample.token_ids += c.token_ids
     sample.model_mask += [1] * len(c.token_ids)  # 1: the model wrote it; 0: a tool result
-    sample.logprobs += [] if c.logprobs is None else c.logprobs.logprobs  # flat: one per token
+    sample.vllm_logps += [] if c.logprobs is None else c.logprobs.logprobs  # flat: one a token
     sample.last_turn = c.token_ids
     sample.finish_reason = c.finish_reason
     return sample
@@ -323,33 +317,18 @@ def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length)
 
 
 def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func, reward_weights, tool_counts):
-    """The rollout as train_step takes it: DAPO's dynamic sampling picks P of the D drawn groups
-    (drawn_rows [D], drawn_samples and rewards_per_func [D G]), then the advantages, and the masks
-    [N, T] (T: the longest completion) that say which tokens learn.
-    The batch (built here alone): each sample's prompt and completion ids [N]; the masks
-    [N, T]; filler and advantages [N]; vLLM's logprobs [N, T] (None without the IS correction);
-    old_logps and ref_logps [N, T], None until the loop's logprobs phase fills them where needed
-    (the policy's before the update: num_iterations > 1, --lora_dropout; the reference's: --beta
-    > 0); stats: counts and per-sample tensors, which reduce_metrics sums and logs."""
+    """The rollout as train_step takes it: the P groups a step trains on (pick_groups: at the
+    defaults all D drawn), their rewards and advantages, and the masks that say which tokens learn.
+    In: drawn_rows [D]; drawn_samples and rewards_per_func [D G]. The batch's fields, built here
+    alone: sample_prompt_ids and completion_ids [N]; model_mask and loss_mask [N, T] (T: the
+    longest completion); filler and advantages [N]; vllm_logps [N, T] (None without the IS
+    correction); old_logps and ref_logps [N, T], None until the loop's logprobs phase fills them
+    where needed (num_iterations > 1 or --lora_dropout; --beta > 0); stats, which reduce_metrics
+    sums and logs."""
     G = cfg.num_generations
 
-    # The groups whose criterion reward varies (one function, not the weighted sum), logged, and
-    # what dynamic sampling picks by. nanstd is NaN or -0.0 for a group with fewer than 2 scored
-    # completions, and NaN > 1e-8 is False: such a group does not vary.
-    criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
-    varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
-
-    # A step trains on completions_per_rank // G groups: at the default (factor 1), every drawn
-    # group, in order, no filler (D G = N)
-    groups = list(range(len(drawn_rows)))
-    filler = torch.zeros(len(drawn_samples), dtype=torch.bool)  # [D G]
-    # Variant (--dynamic_sampling_factor F > 1, DAPO's dynamic sampling): the varied groups first,
-    # in order, then "filler" groups that did not vary, which fill the batch but get no loss and
-    # no count; filler becomes [N]
-    if cfg.dynamic_sampling_factor > 1:
-        varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
-        groups = varied_first[:cfg.completions_per_rank // G]
-        filler = ~varied[groups].repeat_interleave(G)
+    # the groups this step trains on (pick_groups): at the defaults all drawn, in order (D = P)
+    groups, filler, varied = pick_groups(rewards_per_func, cfg)  # [P], [N], [D]
     sample_index = torch.tensor([g * G + j for g in groups for j in range(G)])  # their samples [N]
     batch_rows = [drawn_rows[g] for g in groups]
     batch_samples = [drawn_samples[i] for i in sample_index.tolist()]
@@ -362,14 +341,8 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
 
     # group-relative advantages, over the group's std by default (compute_advantages)
     all_rewards = None
-    # Variant (--scale_rewards batch): the std of every rank's rewards but the fillers' (NaN)
-    if cfg.scale_rewards == "batch":
-        all_rewards = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
-        if env.world > 1:
-            everyone = [torch.zeros_like(all_rewards) for _ in range(env.world)]
-            dist.all_gather(everyone, all_rewards)
-            all_rewards = torch.cat(everyone)  # [world N]
-        all_rewards = all_rewards.cpu()
+    if cfg.scale_rewards == "batch":  # Variant: the std of every rank's rewards
+        all_rewards = every_rank_rewards(rewards, filler, env)  # [world N]
     advantages = compute_advantages(rewards, G, cfg.scale_rewards, all_rewards)  # [N]
 
     # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results and
@@ -387,7 +360,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     vllm_logps = None
     if cfg.vllm_importance_sampling_correction:
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
-        vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.logprobs) for s in batch_samples])
+        vllm_logps[model_mask.bool()] = torch.cat([torch.tensor(s.vllm_logps) for s in batch_samples])
 
     # the logged sums: what was generated (the model's tokens, not tool results) before any group
     # was dropped, then the batch's
@@ -411,7 +384,7 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", all
     The batch's std spans all_rewards (default: rewards): make_batch passes every rank's.
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
-    it once dynamic sampling has picked the groups (and gathers every rank's rewards: "batch")."""
+    it with its weighted rewards, once pick_groups has picked the groups (all, at the defaults)."""
     grouped = rewards.view(-1, G)  # [P, G]
     advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
@@ -420,6 +393,35 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", all
         everyone = rewards if all_rewards is None else all_rewards
         advantages = advantages / (nanstd(everyone.view(1, -1)) + 1e-4)
     return advantages.flatten().nan_to_num(nan=0.0)  # [N]
+
+
+def pick_groups(rewards_per_func: torch.Tensor, cfg: Config):
+    """(groups [P], filler [N], varied [D]): the drawn groups a step trains on, at the default
+    all D, in order, no filler. Variant (--dynamic_sampling_factor > 1, DAPO's dynamic sampling):
+    the varied groups first, in order, then "fillers" that did not vary (no loss, no count), P
+    in all. varied, logged always: the criterion reward (one function, not the sum) varies."""
+    G = cfg.num_generations
+    # nanstd is NaN or -0.0 for a group with fewer than 2 scored completions, and NaN > 1e-8 is
+    # False: such a group does not vary
+    criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
+    varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
+    groups = list(range(len(varied)))
+    filler = torch.zeros(len(groups) * G, dtype=torch.bool)  # [D G]
+    if cfg.dynamic_sampling_factor > 1:
+        varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
+        groups = varied_first[:cfg.completions_per_rank // G]
+        filler = ~varied[groups].repeat_interleave(G)  # [N]
+    return groups, filler, varied
+
+
+def every_rank_rewards(rewards: torch.Tensor, filler: torch.Tensor, env) -> torch.Tensor:
+    """[world N] on the CPU: every rank's rewards, the fillers' NaN (left out of the std)."""
+    everyone = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
+    if env.world > 1:
+        gathered = [torch.zeros_like(everyone) for _ in range(env.world)]
+        dist.all_gather(gathered, everyone)
+        everyone = torch.cat(gathered)  # [world N]
+    return everyone.cpu()
 
 
 def nanstd(grouped: torch.Tensor) -> torch.Tensor:
@@ -529,6 +531,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     per_token = per_token * is_weights
 
     # Variant (--beta > 0): the KL penalty to the reference (k3)
+    kl = None
     if cfg.beta != 0.0:
         delta = ref_logps - logps  # [b, T]
         kl = torch.exp(delta) - delta - 1  # [b, T]
@@ -550,27 +553,30 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     else:  # "constant"
         num_sequences = logps.shape[0] if global_count is None else global_count
         loss = masked.sum() / (num_sequences * cfg.max_completion_length)
+    return loss, logged_token_means(ratio, adv, mask, cfg, kl)
 
-    # where a clip cuts the gradient: the ratio outside the range on the side the advantage pushes
-    # (cispo: where its cap acts, only when A > 0; sapo: where a clip would)
+
+def logged_token_means(ratio, adv, mask, cfg: Config, kl=None) -> dict:
+    """grpo_loss's logged token means (no gradient): where a clip cuts the gradient, the ratio
+    outside the range on the side the advantage pushes (cispo: where its cap acts, only when
+    A > 0; sapo: where a clip would), and the KL (with --beta)."""
+    cispo = cfg.loss_type == "cispo"
+    high_cap = (cfg.epsilon_high or CISPO_CAP) if cispo else 1 + (cfg.epsilon_high or cfg.epsilon)
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (cfg.loss_type != "cispo")
-        high = (ratio > (cispo_cap if cfg.loss_type == "cispo" else 1 + epsilon_high)) & (adv > 0)
-        stats = {
-            "clip_ratio/low": token_mean(low),
-            "clip_ratio/high": token_mean(high),
-            "clip_ratio/region": token_mean(low | high),
-        }
-        if cfg.beta != 0.0:
+        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (not cispo)
+        high = (ratio > high_cap) & (adv > 0)
+        stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
+                 "clip_ratio/region": token_mean(low | high)}
+        if kl is not None:
             stats["kl"] = token_mean(kl)
-    return loss, stats
+    return stats
 
 
 def vllm_importance_weights(old_logps, vllm_logps, model_mask, mode="sequence_mask", clip_max=3.0):
     """Correct for vLLM's sampler not being exactly the trainer's policy (kernels, bf16 weights):
-        w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [b, T]; sequence level: [b, 1]
+        w = pi_trainer / pi_vllm = exp(logp_trainer - logp_vllm)   [b, T]; sequence_*: [b, 1]
         *_truncate: w = min(w, clip_max) (truncated IS)    *_mask: 0 where w > clip_max (masked)
     old_logps: the trainer's logprobs of the policy that sampled (see train_step); all [b, T]."""
     # A NaN logprob from vLLM gives its token a zero difference (no correction there), as in TRL
@@ -583,19 +589,22 @@ def vllm_importance_weights(old_logps, vllm_logps, model_mask, mode="sequence_ma
     return weights.masked_fill(weights > clip_max, 0.0)
 
 
-def entropy_quantile(entropy, mask, q: float, world: int) -> torch.Tensor:
-    """The q-quantile of the loss tokens' entropies on all ranks (TRL's get_high_entropy_mask)."""
+def top_entropy_mask(entropy, mask, rho: float, world: int) -> torch.Tensor:
+    """[b, T]: 1 on the tokens whose policy term learns; all of them at rho 1, the default.
+    Variant (--top_entropy_quantile rho < 1, the 80/20 rule): the tokens whose entropy reaches the
+    (1 - rho)-quantile of the loss tokens' entropies on all ranks (TRL's get_high_entropy_mask)."""
+    if rho >= 1:
+        return torch.ones_like(entropy)
     local = entropy.detach()[mask.bool()].float()  # [n]
     if world > 1:  # every rank's loss tokens (as many as it has: objects, not equal tensors)
         everyone = [None] * world
         dist.all_gather_object(everyone, local.cpu())
         local = torch.cat(everyone).to(entropy.device)
-    return torch.quantile(local, q) if local.numel() else local.new_tensor(math.inf)
+    threshold = torch.quantile(local, 1 - rho) if local.numel() else math.inf
+    return (entropy >= threshold).float()
 
 
 # ---- 4b. Per-token logprobs: what the loss needs from the policy ----
-# Policy's docstring says what is computed; TokenLogprobs (appendix H) computes exactly that, a
-# chunk of rows at a time, and can wait.
 class Policy(nn.Module):
     """HF causal LM -> the logprobs and entropies of packed completion tokens (pack makes the
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
@@ -666,20 +675,16 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 # forward is noisy), the loop's logprobs phase froze them once (no_grad_logps).
                 old_logps = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
 
-                # IS weights: vLLM sampled with its own kernels; w = 1 without the correction
+                # IS weights: vLLM sampled with its own kernels (default: w a sequence, 0 if > 3)
                 is_weights = 1.0
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = vllm_importance_weights(old_logps, mb.vllm_logps, mb.model_mask,
                                                          cfg.vllm_importance_sampling_mode,
                                                          cfg.vllm_importance_sampling_clip_max)
 
-                # the entropy mask, the tokens that learn: all of them by default
-                entropy_mask = torch.ones_like(entropy)  # [b, T]
-                # Variant (--top_entropy_quantile < 1, the 80/20 rule): the top rho by entropy
-                if cfg.top_entropy_quantile < 1:
-                    q = 1 - cfg.top_entropy_quantile
-                    threshold = entropy_quantile(entropy, mb.loss_mask, q, env.world)
-                    entropy_mask = (entropy >= threshold).float()
+                # the entropy mask, the tokens whose policy term learns: all of them by default
+                entropy_mask = top_entropy_mask(entropy, mb.loss_mask, cfg.top_entropy_quantile,
+                                                env.world)  # [b, T]
 
                 # the loss, x loss_scale (loss_normaliser)
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
@@ -707,27 +712,33 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
         gap = stats["gap"] / max(stats["gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
 
+    # one AdamW step, on a finite gradient (adamw_step)
     with timed(ledger, "optimizer", env):
-        # ||g|| over the whole model (FSDP2: its shards' norms reduced over the ranks)
-        params = [p for p in policy.parameters() if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        grad_norm = full_tensor(grad_norm, torch.float32, env.device)
-        if cfg.max_grad_norm > 0:  # g *= min(1, max / ||g||)
-            torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
-
-        # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all
-        # ranks agree), nor where no rank holds a loss token (micro_batch_weight 0: AdamW's
-        # momentum and weight decay would still move the weights). set_to_none: step() below
-        # then skips every parameter (AdamW skips one without a gradient); the rate's schedule
-        # still advances, as a resume sets it.
-        finite = bool(torch.isfinite(grad_norm))
-        if not finite or micro_batch_weight == 0:
-            optimizer.zero_grad(set_to_none=True)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm, finite = adamw_step(policy, optimizer, scheduler, cfg, env, micro_batch_weight)
     stats.update(grad_norm=grad_norm.item(), skipped=float(not finite))
     return stats
+
+
+def adamw_step(policy, optimizer, scheduler, cfg: Config, env, micro_batch_weight: float):
+    """Clip the gradient, step AdamW and the rate's schedule: (||g|| before clipping, finite)."""
+    # ||g|| over the whole model (FSDP2: its shards' norms reduced over the ranks)
+    params = [p for p in policy.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    grad_norm = full_tensor(grad_norm, torch.float32, env.device)
+    if cfg.max_grad_norm > 0:  # g *= min(1, max / ||g||)
+        torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
+
+    # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all ranks
+    # agree), nor where no rank holds a loss token (micro_batch_weight 0: AdamW's momentum and
+    # weight decay would still move the weights). set_to_none: step() then skips every parameter
+    # (one without a gradient); the rate's schedule still advances, as a resume sets it.
+    finite = bool(torch.isfinite(grad_norm))
+    if not finite or micro_batch_weight == 0:
+        optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, finite
 
 
 def plan_micro_batches(batch, budget: int, env) -> list[range]:
@@ -782,10 +793,7 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
     cu_seqlens [b + 1], longest, completion_index [n]): the sequences in ONE row, no padding,
     positions from 0 in each; completion_index: the packed columns of the scored tokens
     (model_mask 1), in row-major order."""
-    ids = []
-    token_positions = []
-    starts = []
-    index = []
+    ids, token_positions, starts, index = [], [], [], []
     for p, c, scored in zip(prompts, completions, model_mask.tolist()):
         starts.append(len(ids))
         index += [len(ids) + len(p) + t for t in range(len(c)) if scored[t]]
@@ -804,7 +812,8 @@ def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> d
     reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
     total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
     loss_tokens = mb.loss_mask.sum()
-    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum()}
+    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
+            "completion_tokens": mb.model_mask.sum()}
     sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
     if mb.vllm_logps is not None:
         # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
@@ -812,11 +821,9 @@ def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> d
         gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
         sums["gap"] = gap.nansum()
         sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
-        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (sequence level: [b, 1])
+        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (IS mode sequence_*: [b, 1])
         sums["is_weight"] = (weights * mb.model_mask).sum()
         sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
-    sums["tokens"] = loss_tokens
-    sums["completion_tokens"] = mb.model_mask.sum()
     return sums
 
 
@@ -837,35 +844,34 @@ def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
 
 # ===== 6. The push: the trained weights into the engine, checked against the trainer ==============
 class ColocatedEngine:
-    """This rank's engine (self.llm), the trainer's guest on the GPU; only this code sleeps, wakes
-    or pushes it, and only it knows whether it sleeps.
+    """This rank's engine (self.llm), the trainer's guest on the GPU. Only this class sleeps,
+    wakes or pushes it, and only it knows whether the engine sleeps.
 
-    Between a sleep and the next generate (with sleep mode on): sleep() frees the engine's GPU
-    memory while the trainer works. Level 1 copies the weights to CPU RAM; level 2 DISCARDS them,
-    so what wakes is garbage until the trained weights are pushed: never generate after a level-2
-    wake without a push. wake_and_push, in order: empty_cache (only if less than the engine's
-    share + 2 GiB is free: the trainer's cached blocks go back to the driver), wake the weights,
-    push the trainer's (and reset the prefix cache: its blocks hold the old weights' keys), wake
-    the KV cache last (the push's bucket, which PyTorch keeps cached, is meant to fit in those 2
-    GiB: --weight_push_bucket_mb, 1024, plus the tensor that fills it). The push itself:
-    push_weights hands the engine full_weights, each parameter whole (under FSDP2 gathered with
-    full_tensor; LoRA merged), a bucket at a time, and resets the prefix cache.
+    sleep() (with sleep mode on) frees the engine's GPU memory while the trainer works. Level 1
+    copies the weights to CPU RAM; level 2 DISCARDS them: after a level-2 wake the weights are
+    garbage until the trained ones are pushed, so never generate before the push.
+    wake_and_push(), in this order:
+    1. empty_cache, if less than env.engine_bytes (the engine's share + 2 GiB) is free: the
+       trainer's cached blocks go back to the driver, for vLLM to map;
+    2. wake the weights;
+    3. push: push_weights hands the engine full_weights, each parameter whole (FSDP2: gathered
+       by full_tensor; LoRA: merged), a bucket at a time (--weight_push_bucket_mb, meant to fit
+       in the 2 GiB), then resets the prefix cache (its blocks hold the old weights' keys);
+    4. wake the KV cache.
 
-    Who calls: run puts it to sleep (with sleep mode on) before the trainer loads, then gives it
-    its first push; the loop sleeps it after each rollout, once the trainer's turn comes, and
-    wakes it with the push after the optimizer step that ends a --num_iterations cycle; an eval in
-    the middle of a cycle wakes and pushes, evaluates, then sleeps again.
+    Who calls: run, before the loop (sleep while the trainer loads, then the first push); the
+    loop, after each rollout (sleep) and after the optimizer step that ends a --num_iterations
+    cycle (wake_and_push); an eval in the middle of a cycle (wake_and_push, then sleep).
 
-    The check of a push, both through check_gap (the max over the ranks of a mean |logp gap|
-    against PARITY_TOLERANCE, below; over it the run stops):
-    - the probe (probe_gap): the engine and the trainer score a held-out prompt and its answer,
-      after the first push, after a push at the last step (no step follows to check it), and
-      after every push when the IS correction is off;
-    - the canary (train_step, before the update): with the IS correction on, the trainer's and
-      vLLM's logprobs of the tokens the engine sampled (both computed anyway; micro_batch_sums
-      sums their gap), compared in every train step: it checks the push the rollout used. So a
-      push for an eval in the middle of a --num_iterations cycle, neither first nor last, goes
-      unchecked (only that eval's score would be wrong)."""
+    The check of a push: check_gap stops the run when the max over the ranks of a mean |logp
+    gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
+    - the probe (probe_gap): engine and trainer score a held-out prompt and its answer, after the
+      first push, after a push at the last step (no step follows to check it), and after every
+      push when the IS correction is off;
+    - the canary (train_step, before the update; with the IS correction on): the trainer's and
+      vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
+      sums their gap). It checks the push the rollout used; so a push for an eval in the middle
+      of a cycle goes unchecked (only that eval's score would be wrong)."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
@@ -875,8 +881,7 @@ class ColocatedEngine:
         self.probe_ids = probe_ids  # a held-out prompt and its answer, scored by engine and trainer
         self.is_asleep = False
         self.pushes = 0
-        # the last push's probe_gap, if it probed: logged with each step until the next push
-        self.info = {}
+        self.info = {}  # the last push's probe_gap, if it probed: logged until the next push
 
     def sleep(self, ledger):
         with timed(ledger, "sleep_wake", self.env):
@@ -887,7 +892,7 @@ class ColocatedEngine:
     def wake_and_push(self, policy, step, ledger):
         with timed(ledger, "sleep_wake", self.env):
             if self.is_asleep:
-                # empty_cache only when vLLM needs the room: every step, it cost ~0.1 s at 1.5B
+                # empty_cache if less than engine_bytes (its share + 2 GiB) is free: ~0.1 s at 1.5B
                 if torch.cuda.mem_get_info(self.env.device)[0] < self.env.engine_bytes:
                     torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["weights"])
@@ -996,14 +1001,13 @@ def run(cfg: Config, env, inputs, trackers=()):
     state = inputs.state  # the checkpoint's trainer_state, or None
     reward_funcs, reward_weights = load_reward_funcs(cfg)
 
-    # where the run starts: step 0, or a checkpoint's step and data position (section D says
-    # what else a resume restores)
+    # where the run starts: step 0, or a checkpoint's step and data position (section D: the rest)
     start_step = state["step"] if state else 0
     data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
     if env.is_main:
         start_outputs(cfg, state)
     # the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
-    prompts_drawn = math.ceil(cfg.completions_per_rank // cfg.num_generations
+    prompts_drawn = math.ceil((cfg.completions_per_rank // cfg.num_generations)
                               * cfg.dynamic_sampling_factor)
 
     # The engine first (it sizes its memory on an empty GPU), asleep (if the memory plan sleeps)
@@ -1034,8 +1038,7 @@ def run(cfg: Config, env, inputs, trackers=()):
     step_times = []  # this process's steps, in seconds
     batch = None  # the current generation batch, trained on num_iterations times
     iterations_on_batch = 0
-    skipped_in_a_row = 0
-    skipped_total = 0
+    skipped_in_a_row = skipped_total = 0  # non-finite steps: in a row, and in all
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger = {}  # phase -> seconds, this step
         memory = {}  # GPU memory samples, this step
@@ -1140,12 +1143,11 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
     llm.reset_prefix_cache()  # as after the probe
 
     # each function's sum and the completions it scored (a None is left out: nanmean)
-    totals = torch.zeros(2, len(reward_funcs))  # [2, R]
+    totals = torch.zeros(2, len(reward_funcs), device=env.device)  # [2, R]
     if mine:
         ids = [s.token_ids for s in samples]
         scores = score(reward_funcs, mine, ids, 1, tokenizer, cfg.max_completion_length)  # [n, R]
-        totals = torch.stack([scores.nansum(0), (~scores.isnan()).sum(0).float()])
-    totals = totals.to(env.device)
+        totals = torch.stack([scores.nansum(0), (~scores.isnan()).sum(0).float()]).to(env.device)
     dist.all_reduce(totals)
     means = {f"eval/{fn.__name__}": total / max(scored, 1.0)
              for fn, total, scored in zip(reward_funcs, *totals.tolist())}
@@ -1905,8 +1907,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = (4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
 
-    # the room for activations: 85% of the device, less the trainer's state, and the engine's
-    # share while it is awake
+    # the room for activations: 85% of the device, less the trainer's state (and the engine awake)
     if cuda:
         device_bytes = torch.cuda.mem_get_info(env.device)[1]
         engine_bytes = env.engine_bytes
@@ -2195,8 +2196,7 @@ def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, pos
         if not any(tp_gather(bool(active), env)):
             break
 
-        # the model's next turn, after its results (seeded as generate's docstring says; the eval,
-        # positions None, is greedy)
+        # the model's next turn after its results (seeds: generate's docstring; the eval: greedy)
         seeds = None
         if positions is not None:
             G = cfg.num_generations
@@ -2387,8 +2387,7 @@ def main(argv=None):
             print(f"error: {e} (rank {env.rank})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2 if isinstance(e, ConfigError) else 1)
-    # teardown: the trackers; the engine went with run's return (it holds process groups of its
-    # own), then our process group
+    # teardown: the trackers, our process group (the engine and its own groups went with run)
     for _, close in trackers:
         close(False)
     dist.barrier()

@@ -342,8 +342,8 @@ def entropy_bonus_by_hand(batch, budget, coef, rho=1.0, per_micro_batch=True):
         mb = gc.micro_batch(batch, seqs, "cpu")
         _, entropy = policy(*mb.packed, mb.model_mask, 1.0)  # [b, T]
         keep = torch.ones_like(entropy)
-        if rho < 1:
-            keep = (entropy >= gc.entropy_quantile(entropy, mb.loss_mask, 1 - rho, world=1)).float()
+        if rho < 1:  # the (1 - rho)-quantile of the loss tokens' entropies, by torch.quantile
+            keep = (entropy >= torch.quantile(entropy[mb.loss_mask.bool()], 1 - rho)).float()
         sums.append((entropy * keep * mb.loss_mask).sum())
         counts.append((keep * mb.loss_mask).sum())
     if per_micro_batch:
@@ -379,8 +379,8 @@ def test_entropy_bonus_with_top_entropy_quantile_is_the_kept_tokens_mean():
     # over the kept tokens, -5 c; divided by all 5 tokens it would be -1 c.
     entropy = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
     mask = torch.ones(1, 5)
-    threshold = gc.entropy_quantile(entropy, mask, 1 - 0.2, world=1)
-    assert close(threshold, 4.2)
+    assert gc.top_entropy_mask(entropy, mask, 0.2, world=1).tolist() == [[0.0, 0.0, 0.0, 0.0, 1.0]]
+    assert gc.top_entropy_mask(entropy, mask, 0.4, world=1).tolist() == [[0.0, 0.0, 0.0, 1.0, 1.0]]  # 3.4
     # through train_step, on 5 loss tokens of the tiny Llama with advantages 0 (no policy term: the
     # gradient is the bonus's alone): rho 0.2 keeps the token of the highest entropy, and the bonus
     # is c x its entropy (its mean over the 1 kept token), not c x its entropy / 5
@@ -394,11 +394,17 @@ def test_entropy_bonus_with_top_entropy_quantile_is_the_kept_tokens_mean():
         assert not all(torch.allclose(g, w / 5, rtol=1e-4, atol=1e-8) for g, w in zip(got, want))
 
 
-def test_entropy_quantile_one_rank():
-    # the 5 loss tokens sorted: 0.1 0.5 1 2 3; the 0.6-quantile (top_entropy_quantile 0.4) at 0.6 * 4 = 2.4: 1.4
-    assert close(gc.entropy_quantile(ENTROPY, MASK, 0.6, world=1), 1.4)
-    assert close(gc.entropy_quantile(ENTROPY, MASK, 1.0, world=1), 3.0)  # top_entropy_quantile 0: the top token
-    assert gc.entropy_quantile(ENTROPY, torch.zeros_like(MASK), 0.5, world=1) == math.inf  # no tokens: none kept
+def test_top_entropy_mask_one_rank():
+    # the 5 loss tokens sorted: 0.1 0.5 1 2 3; the 0.6-quantile (top_entropy_quantile 0.4) at 0.6 * 4 = 2.4: 1.4,
+    # so 2 and 3 are kept, and the masked 9.0 (its loss_mask drops it later)
+    assert gc.top_entropy_mask(ENTROPY, MASK, 0.4, world=1).tolist() == [[0, 1, 0], [1, 0, 1]]
+    # the threshold is 1.4: two tokens outside the loss mask, at 1.39 and 1.41, fall either side
+    probe = torch.tensor([[0.1, 0.5, 1.0, 2.0, 3.0, 1.39, 1.41]])
+    probe_mask = torch.tensor([[1.0] * 5 + [0.0, 0.0]])
+    assert gc.top_entropy_mask(probe, probe_mask, 0.4, world=1).tolist() == [[0, 0, 0, 1, 1, 0, 1]]
+    assert gc.top_entropy_mask(ENTROPY, MASK, 0.0, world=1).tolist() == [[0, 0, 0], [1, 0, 1]]  # rho 0: the top token
+    assert gc.top_entropy_mask(ENTROPY, MASK, 1.0, world=1).tolist() == [[1, 1, 1], [1, 1, 1]]  # the default: all
+    assert gc.top_entropy_mask(ENTROPY, torch.zeros_like(MASK), 0.5, world=1).sum() == 0  # no tokens: none kept
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -2007,8 +2013,8 @@ def _tp_worker(rank, world, store, results):
     # 10 r + 1 .. 10 r + r + 1 (and one masked token of 99), so all ranks see 1, 11, 12, 21, 22, 23, 31, .., 34
     entropy = torch.tensor([[10.0 * rank + i + 1 for i in range(rank + 1)] + [99.0]])
     mask = torch.tensor([[1.0] * (rank + 1) + [0.0]])
-    threshold = gc.entropy_quantile(entropy, mask, 0.5, world).item()
-    results[rank] = (mine, got, seen, threshold, mismatch)
+    kept = gc.top_entropy_mask(entropy, mask, 0.5, world)[0, :-1].tolist()
+    results[rank] = (mine, got, seen, kept, mismatch)
     dist.destroy_process_group()
 
 
@@ -2016,8 +2022,9 @@ def test_tp_gather_slice_four_ranks(tmp_path):
     results = mp.Manager().dict()
     mp.spawn(_tp_worker, args=(4, tmp_path / "store", results), nprocs=4, join=True)
     for rank in range(4):
-        mine, got, seen, threshold, mismatch = results[rank]
-        assert threshold == 22.5  # the median of the 10 tokens of all ranks, the same on every rank
+        mine, got, seen, kept, mismatch = results[rank]
+        # the median of the 10 tokens of all ranks, 22.5, on every rank: 23 and above are kept
+        assert kept == [float(10 * rank + i + 1 >= 22.5) for i in range(rank + 1)]
         assert "the ranks of a TP group sampled different tokens" in mismatch, mismatch
         assert got == mine  # exactly the completions of its own prompts (shift 0)
         partner = rank ^ 1
@@ -3954,8 +3961,8 @@ def test_make_batch_masks_tool_results_out_of_the_loss(monkeypatch):
     loss mask 0, the model's own tokens 1, whatever follows the completion 0."""
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                     vllm_importance_sampling_correction=False, reward_funcs=["reward_len"])
-    samples = [SimpleNamespace(token_ids=[5, 6, 7, 8, 2], model_mask=[1, 0, 0, 1, 1], logprobs=[], finish_reason="stop"),
-               SimpleNamespace(token_ids=[5, 2], model_mask=[1, 1], logprobs=[], finish_reason="stop")]
+    samples = [SimpleNamespace(token_ids=[5, 6, 7, 8, 2], model_mask=[1, 0, 0, 1, 1], vllm_logps=[], finish_reason="stop"),
+               SimpleNamespace(token_ids=[5, 2], model_mask=[1, 1], vllm_logps=[], finish_reason="stop")]
     rows = [{"prompt": "p", "answer": "", "prompt_ids": [1]}]
     rewards = torch.tensor([[1.0], [0.0]])
     batch = gc.make_batch(cfg, cpu_env(), SimpleNamespace(eos_token_id=2, pad_token_id=0), rows, samples,
