@@ -201,7 +201,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 # (with --vllm_tensor_parallel_size > 1 an engine spans the ranks of a TP group: generate)
 def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
     """(samples [D G], G consecutive ones per prompt; the tool counts). positions: the prompts' data
-    positions, which seed them; None: the eval, one greedy completion per prompt."""
+    positions, which seed them; None: the eval, one greedy completion per prompt (samples [D])."""
     n = 1 if positions is None else cfg.num_generations
     params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
     seeds = None  # the prompt at position i: base + G i (generate's docstring has both formulas)
@@ -210,7 +210,7 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     samples = []
     for out in generate(llm, env, prompt_ids, params, seeds):
         samples += [add_turn(c) for c in out.outputs]
-    # Variant (--tools): more turns, appended to the samples in place (without tools: the counts)
+    # Variant (--tools): more turns, appended to the samples in place (no tools: returns at once)
     sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
     counts = tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
     return samples, counts
@@ -337,7 +337,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     # the weighted reward; a completion no function scored is NaN, left out by compute_advantages
     rewards = (batch_rewards_per_func * reward_weights).nansum(1)  # [N]
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
-    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: the weighted reward flat
+    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: its std is 0
 
     # group-relative advantages, over the group's std by default (compute_advantages)
     all_rewards = None
@@ -496,7 +496,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (--importance_sampling_
                level sequence, any loss type): one ratio a sequence, clipped whole
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t
-        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t    (k3; r_t, GSPO's r: bias correction)
+        KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3, x the ratio: bias correction)
         e_t  = [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
     cispo and sapo (TRL 1.16's) take the place of the min(...) term:
         cispo    -sg(min(r_t, cispo_cap)) A logp_t          sg: no gradient (MiniMax-M1)
@@ -641,17 +641,17 @@ class Policy(nn.Module):
 
 
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
-# Micro-batches, in the order a step makes them: plan_micro_batches has split_micro_batches cut the
-# batch, in order, into runs of sequences of at most the token budget (the memory plan's), as many
-# on every rank; micro_batch takes one run's tensors and pack lays its sequences end to end in
-# one row (no padding; positions restart, the attention kernel sees each sequence alone);
+# Micro-batches, in the order a step makes them. plan_micro_batches cuts the batch, in order, into
+# runs of sequences of at most the token budget (the memory plan's), as many on every rank
+# (split_micro_batches). micro_batch takes one run's tensors, and pack lays its sequences end to
+# end in one row (no padding; positions restart, the attention kernel sees each sequence alone).
 # Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
-# where the cuts fall (loss_normaliser), but for what is per micro-batch by definition: bnpo's
+# where the cuts fall (loss_normaliser), except for what is per micro-batch by definition: bnpo's
 # mean of micro-batch means, the entropy bonus's, and --top_entropy_quantile's threshold.
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
     """One AdamW step on this rank's batch. Returns the step's logged sums (micro_batch_sums),
-    grad_norm, skipped (1: a non-finite step; no update then, nor with fillers alone) and the
-    canary's sampled_gap/rank_max."""
+    grad_norm, skipped (1: a non-finite step, not updated; a step of fillers alone does not update
+    either, but counts 0) and the canary's sampled_gap/rank_max."""
     cuts = plan_micro_batches(batch, budget, env)
     global_count, loss_scale, micro_batch_weight = loss_normaliser(cfg.loss_type, batch, cuts, env)
     sums = {}  # the logged sums, tensors until the end: a float() each would stall the GPU
@@ -705,7 +705,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
 
-    # The canary, before the update: the trainer must score the tokens vLLM sampled as vLLM did.
+    # The canary (the push's check each step; ColocatedEngine's docstring has both checks), before
+    # the update: the trainer must score the tokens vLLM sampled as vLLM did.
     # gap: |old_logps - vllm_logps| summed over the tokens vLLM sampled, gap_tokens their count
     # (micro_batch_sums; present only with the IS correction on, which asks vLLM for logprobs)
     if "gap" in stats:
@@ -850,7 +851,7 @@ class ColocatedEngine:
     sleep() (with sleep mode on) frees the engine's GPU memory while the trainer works. Level 1
     copies the weights to CPU RAM; level 2 DISCARDS them: after a level-2 wake the weights are
     garbage until the trained ones are pushed, so never generate before the push.
-    wake_and_push(), in this order:
+    wake_and_push(), in this order (1, 2 and 4 only when it sleeps):
     1. empty_cache, if less than env.engine_bytes (the engine's share + 2 GiB) is free: the
        trainer's cached blocks go back to the driver, for vLLM to map;
     2. wake the weights;

@@ -68,6 +68,10 @@
 #             CUDA-graph sizes, FP8 weights (carry .stage/fp8: compressed-tensors 0.17.0 and loguru wheels), sleep mode
 #             off; S17_GPU0..2 to pick others), run.sh --max_steps 20 on GPU 3
 #             (held-out accuracy before and after). Results: $OUT/s17.txt, s17-gen-tables.md, s17.tar.gz
+#   s19 STEP  one GPU, after staging (needs .stage/trl): STEP a: run.sh --max_steps 20 (held-out accuracy before and
+#             after), then the 40-step learning run of s16, ours then TRL at its defaults (run.sh warmed the compile
+#             cache ours reads; TRL's first run warms its own); STEP b: the same pair again, TRL first, both warm.
+#             Results: $OUT/s19-STEP.txt (accuracy, time to each reward level), s19-STEP.tar.gz (metrics and logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -379,6 +383,25 @@ s16)
   for w in fixed-smol natural-smol fixed-1.5b; do echo "== $w"; grep -A4 "ours / TRL\|step s" $D/$w.txt | tail -8; done \
     | tee -a "$OUT/s16.txt"
   tar -czf "$OUT/s16.tar.gz" --exclude='*/checkpoint-*' -C /tmp s16 ;;
+s19)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
+  D=/tmp/s19-$2; rm -rf $D; mkdir -p $D; T="$OUT/s19-$2.txt"; versions | tee $T
+  L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+     --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
+     --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0 --seed 42)
+  ours() { timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" \
+             --output_dir $D/learn-ours-$1 > $D/learn-ours-$1.log 2>&1; }
+  trl() { timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train \
+            $D/learn-trl-$1 "${L[@]}" --trl_defaults > $D/learn-trl-$1.log 2>&1; }
+  if [ "$2" = a ]; then
+    timeout 200 bash run.sh --model "$SMOL" --max_steps 20 --eval_steps 20 --output_dir $D/check > $D/check.log 2>&1
+    grep "eval at\|^step 20\|engine ready" $D/check.log | cut -c1-250 | tee -a $T
+    ours 1; trl 1
+  else
+    trl 2; ours 2
+  fi
+  python3 bench/reach.py $D/learn-*/metrics.jsonl 2>&1 | tee -a $T
+  tar -czf "$OUT/s19-$2.tar.gz" --exclude='*/checkpoint-*' -C /tmp s19-$2 ;;
 s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
   D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"
   fp8_wheels
