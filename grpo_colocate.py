@@ -519,15 +519,15 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
     # clip acts: the term is -A (cispo: -A logp; sapo: -2 A / tau), its gradient -A grad logp in
     # all three (each x the IS weight w). Clips bite from the second iteration. The defaults
-    # (dapo) take the last branch.
-    if cfg.loss_type == "cispo":  # Variant: every token keeps a gradient, through logp
-        per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
-    elif cfg.loss_type == "sapo":  # Variant: a gate that fades where a clip would cut
-        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [b, 1]
-        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * entropy_mask
-    else:
+    # (dapo) take the first branch, the clipped surrogate.
+    if cfg.loss_type not in ("cispo", "sapo"):
         clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv) * entropy_mask  # [b, T]
+    elif cfg.loss_type == "cispo":  # Variant: every token keeps a gradient, through logp
+        per_token = -torch.clamp(ratio, max=cispo_cap).detach() * adv * logps * entropy_mask
+    else:  # Variant (sapo): a gate that fades where a clip would cut
+        tau = torch.where(adv > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)  # [b, 1]
+        per_token = -4 / tau * torch.sigmoid(tau * (ratio - 1)) * adv * entropy_mask
     per_token = per_token * is_weights
 
     # Variant (--beta > 0): the KL penalty to the reference (k3)
@@ -641,12 +641,12 @@ class Policy(nn.Module):
 
 
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
-# Micro-batches, in the order a step makes them. plan_micro_batches cuts the batch, in order, into
-# runs of sequences of at most the token budget (the memory plan's), as many on every rank
-# (split_micro_batches). micro_batch takes one run's tensors, and pack lays its sequences end to
-# end in one row (no padding; positions restart, the attention kernel sees each sequence alone).
+# Micro-batches, in the order a step makes them. plan_micro_batches cuts the batch in order into
+# runs of at most the token budget, as many on every rank (it agrees on the count;
+# split_micro_batches cuts). micro_batch takes one run's tensors; pack lays its sequences end to
+# end in one row (no padding; positions restart; the attention kernel sees each sequence alone).
 # Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
-# where the cuts fall (loss_normaliser), except for what is per micro-batch by definition: bnpo's
+# where the cuts fall (loss_normaliser), except what is per micro-batch by definition: bnpo's
 # mean of micro-batch means, the entropy bonus's, and --top_entropy_quantile's threshold.
 def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledger, step) -> dict:
     """One AdamW step on this rank's batch. Returns the step's logged sums (micro_batch_sums),
@@ -829,8 +829,8 @@ def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> d
 
 
 def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
-    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones (no
-    LoRA dropout: add_lora's hook keys it to grad mode)."""
+    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones (without
+    LoRA dropout: add_lora's hook turns it off under no_grad)."""
     cuts = plan_micro_batches(batch, budget, env)
     micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
     with torch.no_grad(), autocast(env):
@@ -872,7 +872,7 @@ class ColocatedEngine:
     - the canary (train_step, before the update; with the IS correction on): the trainer's and
       vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
       sums their gap). It checks the push the rollout used; so a push for an eval in the middle
-      of a cycle goes unchecked (only that eval's score would be wrong)."""
+      of a cycle goes unchecked but at the last step (only that eval's score could be wrong)."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
