@@ -291,7 +291,7 @@ def add_turn(c, sample=None) -> SimpleNamespace:
     sample = sample or SimpleNamespace(token_ids=[], model_mask=[], vllm_logps=[])
     sample.token_ids += c.token_ids
     sample.model_mask += [1] * len(c.token_ids)  # 1: the model wrote it; 0: a tool result
-    sample.vllm_logps += [] if c.logprobs is None else c.logprobs.logprobs  # flat: one a token
+    sample.vllm_logps += [] if c.logprobs is None else c.logprobs.logprobs  # flat: one per token
     sample.last_turn = c.token_ids
     sample.finish_reason = c.finish_reason
     return sample
@@ -443,8 +443,8 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
 #   "constant"    sum_it l m / (S max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
 #   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
-# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, and a MEANS
-# row for any new statistic it logs (test_normalisers_cover_every_loss_type checks the first two).
+# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, its clip rule
+# in logged_token_means, a MEANS row for any new statistic (a test checks the first two).
 NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
                "dr_grpo": "constant", "bnpo": "micro_batch"}
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
@@ -494,7 +494,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     is_weights (w): [b, 1 or T]
         r_t  = exp(logp_t - old_logp_t)     (== 1 with num_iterations 1, no dropout: train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (--importance_sampling_
-               level sequence, any loss type): one ratio a sequence, clipped whole
+               level sequence, any loss type): one ratio per sequence, clipped whole
         l_t  = -min(r_t A, clip(r_t, 1-eps_low, 1+eps_high) A) w_t e_t + beta KL_t
         KL_t = (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) r_t   (k3, x the ratio: bias correction)
         e_t  = [H_t >= the --top_entropy_quantile threshold] (or 1)   H_t: the entropy
@@ -512,7 +512,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
 
     # the ratio of the policy to the one that sampled
     log_ratio = logps - old_logps  # [b, T]
-    if cfg.importance_sampling_level == "sequence":  # Variant (GSPO): one geometric mean a sequence
+    if cfg.importance_sampling_level == "sequence":  # Variant (GSPO): one geometric mean per sequence
         log_ratio = (log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
     ratio = torch.exp(log_ratio)  # [b, T], or [b, 1]
 
@@ -675,7 +675,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 # forward is noisy), the loop's logprobs phase froze them once (no_grad_logps).
                 old_logps = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
 
-                # IS weights: vLLM sampled with its own kernels (default: w a sequence, 0 if > 3)
+                # IS weights: vLLM sampled with its own kernels (default: w per sequence, 0 if > 3)
                 is_weights = 1.0
                 if cfg.vllm_importance_sampling_correction:
                     is_weights = vllm_importance_weights(old_logps, mb.vllm_logps, mb.model_mask,
@@ -856,8 +856,8 @@ class ColocatedEngine:
        trainer's cached blocks go back to the driver, for vLLM to map;
     2. wake the weights;
     3. push: push_weights hands the engine full_weights, each parameter whole (FSDP2: gathered
-       by full_tensor; LoRA: merged), a bucket at a time (--weight_push_bucket_mb, meant to fit
-       in the 2 GiB), then resets the prefix cache (its blocks hold the old weights' keys);
+       by full_tensor; LoRA: merged), a bucket at a time (--weight_push_bucket_mb: a bucket is at
+       most that plus one tensor), then resets the prefix cache (its blocks hold the old keys);
     4. wake the KV cache.
 
     Who calls: run, before the loop (sleep while the trainer loads, then the first push); the
@@ -871,8 +871,8 @@ class ColocatedEngine:
       push when the IS correction is off;
     - the canary (train_step, before the update; with the IS correction on): the trainer's and
       vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
-      sums their gap). It checks the push the rollout used; so a push for an eval in the middle
-      of a cycle goes unchecked but at the last step (only that eval's score could be wrong)."""
+      sums their gap). It checks the push the rollout used: the push after step s, in step s + 1.
+      A mid-cycle eval's push goes unchecked, except at the last step (only that eval could err)."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
@@ -1052,7 +1052,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         # a new generation batch every num_iterations steps (a resume starts with one)
         if batch is None or iterations_on_batch == cfg.num_iterations:
 
-            # ======== generate: G completions per prompt, by the engine holding the latest weights
+            # ======== generate (sections 1, 2): G completions per prompt, by the latest weights
             positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
                                             cfg.seed)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
@@ -1062,12 +1062,12 @@ def run(cfg: Config, env, inputs, trackers=()):
             sample_memory(env, memory)  # the engine awake with its KV cache, beside the trainer
             engine.sleep(ledger)  # the trainer gets the GPU (with sleep mode on)
 
-            # ======== score: every reward function on the decoded completions, [D G, R]
+            # ======== score (3): every reward function on the decoded completions, [D G, R]
             with timed(ledger, "reward", env):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
                                          cfg.num_generations, tokenizer, cfg.max_completion_length)
 
-            # ======== advantages: group-relative, after DAPO's dynamic sampling picks the groups
+            # ======== advantages (3): group-relative, once pick_groups has picked the groups
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
             iterations_on_batch = 0
@@ -1083,11 +1083,11 @@ def run(cfg: Config, env, inputs, trackers=()):
                         batch.ref_logps = no_grad_logps(trainer.reference, batch, cfg, env,
                                                         plan.token_budget)
 
-        # ======== train: packed micro-batches, the loss, one AdamW step
+        # ======== train (4, 5): packed micro-batches, the loss, one AdamW step
         lr = trainer.optimizer.param_groups[0]["lr"]  # the rate this step uses
         train_stats = train_step(trainer.policy, trainer.optimizer, trainer.scheduler, batch, cfg,
                                  env, plan.token_budget, ledger, step)
-        sample_memory(env, memory)  # the trainer's peak is freed; max_memory_allocated has it
+        sample_memory(env, memory)  # after training (its peak: max_memory_allocated)
         iterations_on_batch += 1
 
         # a non-finite loss or gradient skipped the update; three in a row end the run
@@ -1108,7 +1108,7 @@ def run(cfg: Config, env, inputs, trackers=()):
                                        inputs.rows_digest)
             print0(f"saved {path}")
 
-        # ======== push: the trained weights into the engine, which generates next
+        # ======== push (6): the trained weights into the engine, which generates next
         if iterations_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
@@ -1404,7 +1404,7 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
 
     # FSDP2: rank 0 read the weights, onto its CPU (the others built the model on the meta
-    # device: host memory holds one model, not one a rank); fully_shard moves each layer's shard
+    # device: host memory holds one model, not one per rank); fully_shard moves each layer's shard
     # to the GPU, then rank 0's full weights are broadcast into every rank's shards
     if cfg.fsdp:
         rank0_weights = policy.state_dict() if env.is_main else {}
