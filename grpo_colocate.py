@@ -444,7 +444,7 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 #   "constant"    sum_it l m / (S max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
 #   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
 # A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, its clip rule
-# in logged_token_means, a MEANS row for any new statistic (a test checks the first two).
+# in logged_token_means (F), a MEANS row for any new statistic (a test checks the first two).
 NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
                "dr_grpo": "constant", "bnpo": "micro_batch"}
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
@@ -553,25 +553,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     else:  # "constant"
         num_sequences = logps.shape[0] if global_count is None else global_count
         loss = masked.sum() / (num_sequences * cfg.max_completion_length)
-    return loss, logged_token_means(ratio, adv, mask, cfg, kl)
-
-
-def logged_token_means(ratio, adv, mask, cfg: Config, kl=None) -> dict:
-    """grpo_loss's logged token means (no gradient): where a clip cuts the gradient, the ratio
-    outside the range on the side the advantage pushes (cispo: where its cap acts, only when
-    A > 0; sapo: where a clip would), and the KL (with --beta)."""
-    cispo = cfg.loss_type == "cispo"
-    high_cap = (cfg.epsilon_high or CISPO_CAP) if cispo else 1 + (cfg.epsilon_high or cfg.epsilon)
-    with torch.no_grad():
-        def token_mean(x):
-            return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (not cispo)
-        high = (ratio > high_cap) & (adv > 0)
-        stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
-                 "clip_ratio/region": token_mean(low | high)}
-        if kl is not None:
-            stats["kl"] = token_mean(kl)
-    return stats
+    return loss, logged_token_means(ratio, adv, mask, cfg, kl)  # the clip ratios, KL (appendix F)
 
 
 def vllm_importance_weights(old_logps, vllm_logps, model_mask, mode="sequence_mask", clip_max=3.0):
@@ -700,7 +682,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 # backward
                 total.backward()
 
-            mb_sums = micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights)
+            mb_sums = micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights)  # F
             for name, value in mb_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
@@ -708,7 +690,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     # The canary (the push's check each step; ColocatedEngine's docstring has both checks), before
     # the update: the trainer must score the tokens vLLM sampled as vLLM did.
     # gap: |old_logps - vllm_logps| summed over the tokens vLLM sampled, gap_tokens their count
-    # (micro_batch_sums; present only with the IS correction on, which asks vLLM for logprobs)
+    # (micro_batch_sums, F; present only with the IS correction on, which asks vLLM for logprobs)
     if "gap" in stats:
         gap = stats["gap"] / max(stats["gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
@@ -806,26 +788,6 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
     completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]
     return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
-
-
-def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> dict:
-    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
-    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
-    total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
-    loss_tokens = mb.loss_mask.sum()
-    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
-            "completion_tokens": mb.model_mask.sum()}
-    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
-    if mb.vllm_logps is not None:
-        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
-        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
-        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
-        sums["gap"] = gap.nansum()
-        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
-        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (IS mode sequence_*: [b, 1])
-        sums["is_weight"] = (weights * mb.model_mask).sum()
-        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
-    return sums
 
 
 def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
@@ -944,17 +906,6 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
         if sum(t.nbytes for _, t in bucket) >= bucket_bytes or i == len(params) - 1:
             while bucket:
                 yield bucket.pop(0)
-
-
-def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
-    """A tensor whole: an FSDP2 DTensor (a parameter's shard, the gradient norm's partial sums)
-    is cast, then made whole over the ranks (bf16: half the bytes); a plain tensor is cast."""
-    p = p.detach()
-    if isinstance(p, DTensor):
-        local = p.to_local().to(device=device, dtype=dtype)
-        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
-                                  stride=p.stride()).full_tensor()
-    return p.to(device=device, dtype=dtype)
 
 
 def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
@@ -1435,6 +1386,17 @@ def reshard(model: nn.Module):
     """After a forward that no backward follows: free the root's parameters FSDP2 keeps gathered."""
     if isinstance(model, FSDPModule):
         model.reshard()
+
+
+def full_tensor(p: torch.Tensor, dtype, device) -> torch.Tensor:
+    """A tensor whole: an FSDP2 DTensor (a parameter's shard, the gradient norm's partial sums)
+    is cast, then made whole over the ranks (bf16: half the bytes); a plain tensor is cast."""
+    p = p.detach()
+    if isinstance(p, DTensor):
+        local = p.to_local().to(device=device, dtype=dtype)
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape,
+                                  stride=p.stride()).full_tensor()
+    return p.to(device=device, dtype=dtype)
 
 
 def autocast(env):
@@ -1953,7 +1915,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     return SimpleNamespace(token_budget=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
-# ---- F. Metrics: the global means, the stdout line, metrics.jsonl, trackers ----
+# ---- F. Metrics: the logged sums, the global means, the stdout line, metrics.jsonl, trackers ----
 # dense bf16 FLOP/s by GPU name; the first match wins
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
                    "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -1981,6 +1943,44 @@ MEANS = {
     "dynamic_sampling/informative_fraction": ("varied_groups", "generated_groups"),
     "dynamic_sampling/generated_per_trained_token": ("generated_tokens", "tokens"),
 }
+
+
+def logged_token_means(ratio, adv, mask, cfg: Config, kl=None) -> dict:
+    """grpo_loss's logged token means (no gradient): where a clip cuts the gradient, the ratio
+    outside the range on the side the advantage pushes (cispo: where its cap acts, only when
+    A > 0; sapo: where a clip would), and the KL (with --beta)."""
+    cispo = cfg.loss_type == "cispo"
+    high_cap = (cfg.epsilon_high or CISPO_CAP) if cispo else 1 + (cfg.epsilon_high or cfg.epsilon)
+    with torch.no_grad():
+        def token_mean(x):
+            return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (not cispo)
+        high = (ratio > high_cap) & (adv > 0)
+        stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
+                 "clip_ratio/region": token_mean(low | high)}
+        if kl is not None:
+            stats["kl"] = token_mean(kl)
+    return stats
+
+
+def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> dict:
+    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
+    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
+    total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
+    loss_tokens = mb.loss_mask.sum()
+    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
+            "completion_tokens": mb.model_mask.sum()}
+    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
+    if mb.vllm_logps is not None:
+        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
+        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
+        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
+        sums["gap"] = gap.nansum()
+        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
+        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (IS mode sequence_*: [b, 1])
+        sums["is_weight"] = (weights * mb.model_mask).sum()
+        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
+    return sums
 
 
 def matmul_params(lm: nn.Module) -> int:
