@@ -19,8 +19,8 @@ each question's answer is. "Variant" in a comment marks the code below it (or th
 heads) that is off at the defaults (a flag, or a paper's choice): a first reading skips it.
 Shapes (P G is a product, P x G): P prompts, G completions each, N = P G (a step's batch on one
 rank), D the prompts a rollout draws (P; more with dynamic sampling), T the longest completion
-(of the batch, or of a micro-batch of b sequences), L a packed micro-batch's tokens, H the hidden
-size, V the vocabulary, R reward functions.
+(of the batch, or of a micro-batch of b sequences), L a packed micro-batch's tokens, n its scored
+tokens, H the hidden size, V the vocabulary, R reward functions.
 
 Implemented (README.md, Variants): GRPO (group-relative advantages, the clipped surrogate, k3 KL,
 num_iterations > 1, TRL 1.16's loss normalisations); DAPO (clip-higher, overlong filtering and
@@ -216,24 +216,6 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     return samples, counts
 
 
-def sampling_params(cfg: Config, greedy=False, logprobs=False):
-    from vllm import SamplingParams
-    if greedy:  # the eval
-        return SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length,
-                              detokenize=False)
-    return SamplingParams(
-        n=cfg.num_generations,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        max_tokens=cfg.max_completion_length,
-        ignore_eos=cfg.ignore_eos,
-        detokenize=False,  # tokens in, tokens out
-        logprobs=0 if logprobs else None,  # a third of generate's time: only when they are used
-        flat_logprobs=True,
-    )
-
-
 def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_tokens=None) -> list:
     """Token ids in, one vLLM RequestOutput per prompt out, in order. seeds[i]: prompt i's seed (its
     n completions use seeds[i], seeds[i] + 1, ...); max_tokens[i]: its limit (None: params').
@@ -275,6 +257,24 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     # groups so; setup_distributed builds the same ones), so the lower ranks' requests come first.
     start = sum(len(r) for r in everyone[:env.rank % env.tp])
     return outputs[start:start + len(requests)]
+
+
+def sampling_params(cfg: Config, greedy=False, logprobs=False):
+    from vllm import SamplingParams
+    if greedy:  # the eval
+        return SamplingParams(temperature=0.0, max_tokens=cfg.max_completion_length,
+                              detokenize=False)
+    return SamplingParams(
+        n=cfg.num_generations,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        max_tokens=cfg.max_completion_length,
+        ignore_eos=cfg.ignore_eos,
+        detokenize=False,  # tokens in, tokens out
+        logprobs=0 if logprobs else None,  # a third of generate's time: only when they are used
+        flat_logprobs=True,
+    )
 
 
 def tp_gather(obj, env) -> list:
@@ -833,8 +833,8 @@ class ColocatedEngine:
       push when the IS correction is off;
     - the canary (train_step, before the update; with the IS correction on): the trainer's and
       vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
-      sums their gap). It checks the push the rollout used: the push after step s, in step s + 1.
-      A mid-cycle eval's push goes unchecked, except at the last step (only that eval could err)."""
+      sums their gap), in each train step on the batch sampled with it (at num_iterations 1: the
+      push after step s, in step s + 1); a mid-cycle eval's push, only at the last step."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
