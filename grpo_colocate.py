@@ -1023,7 +1023,7 @@ def run(cfg: Config, env, inputs, trackers=()):
                                reward_weights, tool_counts)
             iterations_on_batch = 0
 
-            # ======== logprobs: the no-grad passes, frozen for the batch's iterations (Variants:
+            # ======== logprobs (5): no-grad passes, frozen for the batch's iterations (Variants:
             # num_iterations > 1, --lora_dropout, --beta > 0; none at the defaults)
             with timed(ledger, "logprobs", env):
                 if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # old: see train_step
@@ -1051,7 +1051,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
                                "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
 
-        # ======== save: before the push, so that a failure in the push, its check or eval keeps it
+        # ======== save (D): before the push, so a failure in the push, its check or eval keeps it
         is_save_step = cfg.save_steps > 0 and step % cfg.save_steps == 0
         if cfg.save_steps >= 0 and (is_last_step or is_save_step):
             with timed(ledger, "save", env):
@@ -1063,7 +1063,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         if iterations_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
-        # ======== log: stdout and metrics.jsonl; the greedy eval
+        # ======== log (F): stdout and metrics.jsonl; the greedy eval
         cuda_sync(env)  # what no phase timed (batching...): the ledger sums to the step, eval apart
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         step_times.append(sum(ledger.values()))
