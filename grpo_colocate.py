@@ -829,12 +829,12 @@ class ColocatedEngine:
     The check of a push: check_gap stops the run when the max over the ranks of a mean |logp
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
     - the probe (probe_gap): engine and trainer score a held-out prompt and its answer, after the
-      first push, after a push at the last step (no step follows to check it), and after every
-      push when the IS correction is off;
+      first push, after a push at the last step (no step follows to check it; a mid-cycle eval's
+      push is checked only then), and after every push when the IS correction is off;
     - the canary (train_step, before the update; with the IS correction on): the trainer's and
       vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
       sums their gap), in each train step on the batch sampled with it (at num_iterations 1: the
-      push after step s, in step s + 1); a mid-cycle eval's push, only at the last step."""
+      push after step s, in step s + 1)."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
