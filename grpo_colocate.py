@@ -682,7 +682,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 # backward
                 total.backward()
 
-            mb_sums = micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights)  # F
+            mb_sums = micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights)
             for name, value in mb_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
@@ -690,7 +690,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     # The canary (the push's check each step; ColocatedEngine's docstring has both checks), before
     # the update: the trainer must score the tokens vLLM sampled as vLLM did.
     # gap: |old_logps - vllm_logps| summed over the tokens vLLM sampled, gap_tokens their count
-    # (micro_batch_sums, F; present only with the IS correction on, which asks vLLM for logprobs)
+    # (micro_batch_sums; present only with the IS correction on, which asks vLLM for logprobs)
     if "gap" in stats:
         gap = stats["gap"] / max(stats["gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
@@ -788,6 +788,26 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
     longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # on the host: no GPU sync
     completion_index = torch.tensor(index, dtype=torch.long, device=device)  # [n]
     return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
+
+
+def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> dict:
+    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
+    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
+    total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
+    loss_tokens = mb.loss_mask.sum()
+    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
+            "completion_tokens": mb.model_mask.sum()}
+    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
+    if mb.vllm_logps is not None:
+        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
+        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
+        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
+        sums["gap"] = gap.nansum()
+        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
+        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (IS mode sequence_*: [b, 1])
+        sums["is_weight"] = (weights * mb.model_mask).sum()
+        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
+    return sums
 
 
 def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
@@ -1915,7 +1935,7 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     return SimpleNamespace(token_budget=tokens, checkpointing=checkpointing, sleep=sleep, why=why)
 
 
-# ---- F. Metrics: the logged sums, the global means, the stdout line, metrics.jsonl, trackers ----
+# ---- F. Metrics: the clip ratios, the global means, the stdout line, metrics.jsonl, trackers ----
 # dense bf16 FLOP/s by GPU name; the first match wins
 PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989e12, "H200": 989e12,
                    "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12}
@@ -1961,26 +1981,6 @@ def logged_token_means(ratio, adv, mask, cfg: Config, kl=None) -> dict:
         if kl is not None:
             stats["kl"] = token_mean(kl)
     return stats
-
-
-def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> dict:
-    """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
-    reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
-    total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
-    loss_tokens = mb.loss_mask.sum()
-    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
-            "completion_tokens": mb.model_mask.sum()}
-    sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
-    if mb.vllm_logps is not None:
-        # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
-        # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
-        gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
-        sums["gap"] = gap.nansum()
-        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
-        weights = is_weights.expand_as(mb.model_mask)  # [b, T] (IS mode sequence_*: [b, 1])
-        sums["is_weight"] = (weights * mb.model_mask).sum()
-        sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
-    return sums
 
 
 def matmul_params(lm: nn.Module) -> int:
