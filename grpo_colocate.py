@@ -337,7 +337,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     # the weighted reward; a completion no function scored is NaN, left out by compute_advantages
     rewards = (batch_rewards_per_func * reward_weights).nansum(1)  # [N]
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
-    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: its std is 0
+    zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: std 0 (or < 2 scored)
 
     # group-relative advantages, over the group's std by default (compute_advantages)
     all_rewards = None
@@ -850,7 +850,7 @@ class ColocatedEngine:
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
     - the probe (probe_gap): engine and trainer score a held-out prompt and its answer, after the
       first push, after a push at the last step (no step follows to check it; a mid-cycle eval's
-      push is checked only then), and after every push when the IS correction is off;
+      push is checked only if it is there), and after every push when the IS correction is off;
     - the canary (train_step, before the update; with the IS correction on): the trainer's and
       vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
       sums their gap), in each train step on the batch sampled with it (at num_iterations 1: the
@@ -1079,7 +1079,7 @@ def run(cfg: Config, env, inputs, trackers=()):
                                        inputs.rows_digest)
             print0(f"saved {path}")
 
-        # ======== push (6): the trained weights into the engine, which generates next
+        # ======== push (6): the trained weights into the engine (checked: probe or next canary)
         if iterations_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
