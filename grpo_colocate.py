@@ -965,9 +965,9 @@ def check_gap(gap: float, env, step, what: str) -> float:
     return gap
 
 
-# ===== 7. The loop: one optimizer step per iteration, its phases read top to bottom ===============
+# ===== 7. The loop: one optimizer step per pass, its phases read top to bottom ====================
 def run(cfg: Config, env, inputs, trackers=()):
-    """Start the engine and the trainer, then train: one optimizer step per iteration."""
+    """Start the engine and the trainer, then train: one optimizer step per pass of the loop."""
     tokenizer, train_rows, eval_rows = inputs.data
     plan = inputs.plan  # the memory plan: the token budget, checkpointing and sleep mode
     state = inputs.state  # the checkpoint's trainer_state, or None
