@@ -108,6 +108,10 @@ V=(--dataset /tmp/varlen.jsonl --reward_funcs reward_len --num_eval 8 --ignore_e
 W=(--num_generations 8 --per_device_train_batch_size 32 --gradient_accumulation_steps 8 --max_prompt_length 128
    --max_completion_length 256 --ignore_eos --max_steps 8 --eval_steps 0 --save_steps -1 --learning_rate 1e-6)  # run.sh's
 M15=$HOME/.cache/grpo_colocate/qwen2.5-1.5b-random
+# the 40-step learning run (SmolLM2, arithmetic, accuracy reward) of s10 learn, s16 and s19
+LEARN=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
+       --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
+       --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0)
 
 case ${1:?part} in
 trainbench)
@@ -179,9 +183,7 @@ s10)
           keep "$(latest smollm2-135m)" s10-fixed-smol
           TRL_FLAGS=--trl_defaults bash run.sh compare smollm2-135m "${V[@]}" >> "$OUT/s10-smol.txt" 2>&1
           keep "$(latest smollm2-135m)" s10-varlen-smol; grep -A3 "ours / TRL\|step s" "$OUT/s10-smol.txt" | tail -12 ;;
-    learn) L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
-              --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
-              --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0)
+    learn) L=("${LEARN[@]}")
            for seed in ${LEARN_SEEDS:-42}; do
              python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" --seed $seed \
                --output_dir /tmp/s10-learn-ours-s$seed > "$OUT/s10-learn-ours-s$seed.log" 2>&1
@@ -364,9 +366,7 @@ s15)
 s16)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
   versions | tee "$OUT/s16.txt"; varlen_data; D=/tmp/s16; rm -rf $D; mkdir -p $D
-  L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
-     --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
-     --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0 --seed 42)
+  L=("${LEARN[@]}" --seed 42)
   export NPROC=1 TRL_FLAGS=--trl_defaults
   (CUDA_VISIBLE_DEVICES=0 timeout 560 bash run.sh compare smollm2-135m > $D/fixed-smol.txt 2>&1) &
   (CUDA_VISIBLE_DEVICES=1 timeout 560 bash run.sh compare smollm2-135m "${V[@]}" > $D/natural-smol.txt 2>&1) &
@@ -386,9 +386,7 @@ s16)
 s19)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
   D=/tmp/s19-$2; rm -rf $D; mkdir -p $D; T="$OUT/s19-$2.txt"; versions | tee $T
-  L=(--model "$SMOL" --num_generations 8 --per_device_train_batch_size 64 --gradient_accumulation_steps 4
-     --max_completion_length 128 --lr_scheduler_type constant --max_steps 40 --eval_steps 0 --save_steps -1
-     --reward_funcs accuracy_reward --learning_rate 1e-5 --temperature 1.0 --seed 42)
+  L=("${LEARN[@]}" --seed 42)
   ours() { timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" \
              --output_dir $D/learn-ours-$1 > $D/learn-ours-$1.log 2>&1; }
   trl() { timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 bench/bench_trl.py train \
