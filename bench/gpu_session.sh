@@ -72,6 +72,10 @@
 #             after), then the 40-step learning run of s16, ours then TRL at its defaults (run.sh warmed the compile
 #             cache ours reads; TRL's first run warms its own); STEP b: the same pair again, TRL first, both warm.
 #             Results: $OUT/s19-STEP.txt (accuracy, time to each reward level), s19-STEP.tar.gz (metrics and logs)
+#   s20 STEP  sleep mode auto against the other choice, one GPU, after staging (BENCHMARKS.md "Sleep mode, decided by
+#             time"): STEP smol (SmolLM2, fixed 256 tokens and natural stops) or q15 (the 1.5B shape, fixed; made if
+#             missing). Per workload four runs of S20_STEPS (10) steps, alternated: auto, the other, auto, the other.
+#             Results: $OUT/s20-STEP.txt (each run's median step, and per mode), s20-STEP.tar.gz (metrics and logs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -400,6 +404,42 @@ s19)
   fi
   python3 bench/reach.py $D/learn-*/metrics.jsonl 2>&1 | tee -a $T
   tar -czf "$OUT/s19-$2.tar.gz" --exclude='*/checkpoint-*' -C /tmp s19-$2 ;;
+s20)
+  D=/tmp/s20-$2; rm -rf $D; mkdir -p $D; T="$OUT/s20-$2.txt"; versions | tee $T; varlen_data
+  case $2 in smol) runs="smol-fixed smol-natural";; natural) runs="smol-natural";; q15) runs="q15-fixed"
+    [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1;; esac
+  for w in $runs; do
+    model=smollm2-135m; [ ${w%-*} = q15 ] && model=qwen2.5-1.5b-shape
+    extra=(--max_steps ${S20_STEPS:-10}); [ $w = smol-natural ] && extra+=("${V[@]}")
+    other=
+    for i in $(seq ${S20_RUNS:-4}); do
+      mode=auto; [ $((i % 2)) = 0 ] && mode=$other
+      left=$(( ${S20_DEADLINE:-560} - SECONDS - 10 ))
+      [ $left -lt 60 ] && { echo "== $w $i $mode: skipped (${left}s left)" | tee -a $T; continue; }
+      echo "== $w $i sleep $mode (${SECONDS}s)" | tee -a $T; touch $D/.start
+      STANDALONE=0 timeout -k 10 $left bash run.sh bench $model "${extra[@]}" --vllm_enable_sleep_mode $mode \
+        > $D/$w-$i-$mode.txt 2>&1 || echo "   FAILED (rc $?)" | tee -a $T
+      dir=$(find outputs/bench -maxdepth 1 -name "${model%-shape}*" -newer $D/.start | head -1)
+      cp ${dir:-/nonexistent}/metrics.jsonl $D/$w-$i-$mode.jsonl 2>/dev/null
+      cp ${dir:-/nonexistent}/train.log $D/$w-$i-$mode.log 2>/dev/null
+      grep -ho "sleep .*, push via" $D/$w-$i-$mode.log | head -1 | tee -a $T
+      # the other choice: false where auto slept, true where it stayed awake
+      [ $i = 1 ] && { other=false; grep -q "sleep off" $D/$w-1-auto.log 2>/dev/null && other=true; }
+    done
+  done
+  python3 - $D/*.jsonl <<'PY' | tee -a $T
+import json, statistics, sys
+by_mode = {}
+for path in sys.argv[1:]:
+    steps = [json.loads(line) for line in open(path)]
+    times = [s["time/step"] for s in steps if "time/step" in s and s["step"] > 2]
+    name = path.rsplit("/", 1)[1][:-6]
+    print(f"{name}: {len(times)} steps, median {statistics.median(times):.3f} s, mean {statistics.mean(times):.3f}")
+    by_mode.setdefault(name.rsplit("-", 2)[0] + " " + name.rsplit("-", 1)[1], []).extend(times)
+for key, times in sorted(by_mode.items()):
+    print(f"{key}: {len(times)} steps, median {statistics.median(times):.3f} s, mean {statistics.mean(times):.3f}")
+PY
+  tar -czf "$OUT/s20-$2.tar.gz" -C /tmp s20-$2 ;;
 s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
   D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"
   fp8_wheels
