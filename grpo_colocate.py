@@ -173,12 +173,12 @@ class Config:
 
 
 # ===== 1. The prompts of a step: one shuffled stream of data positions, each rank its slice =======
-def rows_for_step(rows, data_position: int, rank: int, prompts_drawn: int, seed: int):
-    """(positions, rows) of the prompts_drawn prompts this rank draws for one rollout.
-    data_position: the prompts all ranks drew so far (it grows by world x prompts_drawn at each
-    rollout); rank r takes the r-th prompts_drawn positions after it. Position i is row
+def rows_for_rollout(rows, data_position: int, rank: int, count: int, seed: int):
+    """(positions, rows) of the `count` prompts (D) this rank draws for one rollout.
+    data_position: the prompts all ranks drew so far (it grows by world x count at each
+    rollout); rank r takes the r-th `count` positions after it. Position i is row
     perm_e[i mod |rows|] of epoch e = i // |rows|: any world size resumes at the same prompts."""
-    positions = range(data_position + rank * prompts_drawn, data_position + (rank + 1) * prompts_drawn)
+    positions = range(data_position + rank * count, data_position + (rank + 1) * count)
     step_rows = []
     for i in positions:
         epoch, offset = divmod(i, len(rows))
@@ -204,7 +204,7 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     positions, which seed them; None: the eval, one greedy completion per prompt (samples [D])."""
     n = 1 if positions is None else cfg.num_generations
     params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
-    seeds = None  # the prompt at position i: base + G i (generate's docstring has both formulas)
+    seeds = None  # position i: base + G i, base = derive_seed(seed, "rollout") (generate's doc)
     if positions is not None:
         seeds = [derive_seed(cfg.seed, "rollout") + cfg.num_generations * i for i in positions]
     samples = []
@@ -222,9 +222,9 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
 
     Seeds: every sampled request carries its own (the eval and the probe are greedy: none), from
     the run's seed and the prompt's data position i, so a rollout repeats at a resume and on any
-    world size. Completion j of the prompt at position i is seeded
-        derive_seed(seed, "rollout") + G i + j       its first turn (rollout passes the base + G i;
-                                                     vLLM seeds a request's n samples seed + j)
+    world size. With base = derive_seed(seed, "rollout"), completion j at position i is seeded
+        base + G i + j                               its first turn (rollout passes base + G i for
+                                                     the request; vLLM seeds its n samples + j)
         derive_seed(seed, "rollout", i, j, turn)     a tool turn (tool_turns)
     The engine's own seed, derive_seed(seed, "engine", rank // tp) (make_engine), is alike within
     a TP group and differs across groups.
@@ -355,8 +355,8 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     if cfg.mask_truncated_completions:  # Variant (TRL's overlong filtering)
         loss_mask = loss_mask * (~truncated).float().unsqueeze(1)
 
-    # vLLM's logprob of each token it sampled, for the IS correction (and the canary): the ones of
-    # model_mask, row by row, are exactly the tokens vLLM sampled, in order
+    # vLLM's logprob of each token it sampled, for the IS correction (and the canary): the
+    # positions where model_mask is 1, row by row, are exactly the tokens vLLM sampled, in order
     vllm_logps = None
     if cfg.vllm_importance_sampling_correction:
         vllm_logps = torch.zeros(model_mask.shape)  # [N, T]
@@ -384,7 +384,7 @@ def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", all
     The batch's std spans all_rewards (default: rewards): make_batch passes every rank's.
     std is Bessel-corrected (torch.std), as in TRL. Unscorable completions (NaN: every reward
     function returned None) stay out of the mean and std, with A = 0, as in TRL. make_batch calls
-    it with its weighted rewards, once pick_groups has picked the groups (all, at the defaults)."""
+    it with its weighted rewards, after pick_groups picks the groups (all, at the defaults)."""
     grouped = rewards.view(-1, G)  # [P, G]
     advantages = grouped - grouped.nanmean(dim=1, keepdim=True)  # [P, G]
     if scale_rewards == "group":
@@ -406,7 +406,7 @@ def pick_groups(rewards_per_func: torch.Tensor, cfg: Config):
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
     groups = list(range(len(varied)))
-    filler = torch.zeros(len(groups) * G, dtype=torch.bool)  # [D G]
+    filler = torch.zeros(len(groups) * G, dtype=torch.bool)  # [D G] (= [N]: D = P)
     if cfg.dynamic_sampling_factor > 1:
         varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
         groups = varied_first[:cfg.completions_per_rank // G]
@@ -453,7 +453,9 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
     """How the loss of one step is scaled, the whole story here: one step's gradient is the
     gradient of ONE loss over the global batch, wherever the batch was cut into micro-batches and
-    over however many ranks.
+    over however many ranks. Example, dapo on 2 ranks with 300 and 100 loss tokens: every
+    micro-batch divides its sum by 400 (global_count) and multiplies by 2 (loss_scale); DDP
+    averages the two ranks' summed gradients (/ 2): the gradient of the token mean of all 400.
 
     Returns, all three the same on every rank (one all_reduce):
     - global_count: what grpo_loss divides by (NORMALISERS' row), counted over the WHOLE global
@@ -467,9 +469,6 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
       micro-batch too, is weighed by it in place of loss_scale. 0 when no rank holds a loss
       token (fillers alone): train_step then updates nothing.
 
-    Example, dapo on 2 ranks with 300 and 100 loss tokens: every micro-batch divides its sum by
-    400 (global_count) and multiplies by 2 (loss_scale); DDP averages the two ranks' summed
-    gradients (/ 2): the gradient of the token mean over all 400 tokens.
     The logged loss: train_step sums loss x loss_scale (the entropy bonus included, as TRL logs
     it) over the micro-batches, reduce_metrics over the ranks / world: the global batch's loss."""
     # the loss tokens, the non-filler sequences, the micro-batches that hold a loss token
@@ -487,10 +486,10 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
     return max(count, 1), float(env.world), micro_batch_weight
 
 
-def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, is_weights=1.0,
+def grpo_loss(logps, old_logps, advantages, loss_mask, cfg: Config, ref_logps=None, is_weights=1.0,
               entropy_mask=1.0, global_count=None):
     """The GRPO surrogate of one micro-batch, normalised as NORMALISERS[loss_type] says.
-    logps, old_logps, ref_logps, mask (m), entropy_mask (e): [b, T]; advantages: [b];
+    logps, old_logps, ref_logps, loss_mask (m), entropy_mask (e): [b, T]; advantages: [b];
     is_weights (w): [b, 1 or T]
         r_t  = exp(logp_t - old_logp_t)     (== 1 with num_iterations 1, no dropout: train_step)
         r    = exp(sum_t (logp_t - old_logp_t) m_t / sum_t m_t)    GSPO (--importance_sampling_
@@ -507,7 +506,7 @@ def grpo_loss(logps, old_logps, advantages, mask, cfg: Config, ref_logps=None, i
     the clip indicators and the KL)."""
     epsilon_high = cfg.epsilon_high or cfg.epsilon
     cispo_cap = cfg.epsilon_high or CISPO_CAP
-    mask = mask.to(logps.dtype)
+    mask = loss_mask.to(logps.dtype)  # m, [b, T]
     adv = advantages.unsqueeze(1)  # [b, 1]
 
     # the ratio of the policy to the one that sampled
@@ -616,17 +615,17 @@ class Policy(nn.Module):
                                              temperature, top_k, top_p, self.chunk_size)  # [n]
         if not self.entropy_grad:  # logged, or ranking tokens (--top_entropy_quantile)
             entropy = entropy.detach()
-        # unpack: the ones of model_mask in row-major order are the scored tokens in pack's
-        # completion_index order (a prompt has a token at least: completion_index - 1 is its own)
+        # unpack: the positions where model_mask is 1, row by row, are the scored tokens in pack's
+        # order (hidden at completion_index - 1 is the same sequence's: a prompt has a token)
         return tuple(x.new_zeros(model_mask.shape).masked_scatter(model_mask.bool(), x)
                      for x in (logps, entropy))
 
 
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
 # Micro-batches, in the order a step makes them. plan_micro_batches cuts the batch in order into
-# runs of at most the token budget, as many on every rank (it agrees on the count;
-# split_micro_batches cuts). micro_batch takes one run's tensors; pack lays its sequences end to
-# end in one row (no padding; positions restart; the attention kernel sees each sequence alone).
+# runs of at most the token budget, as many on every rank (plan_micro_batches agrees on the
+# count, split_micro_batches cuts). micro_batch takes one run's tensors; pack lays its sequences
+# end to end in one row (no padding; positions restart; the attention kernel sees each alone).
 # Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
 # where the cuts fall (loss_normaliser), except what is per micro-batch by definition: bnpo's
 # mean of micro-batch means, the entropy bonus's, and --top_entropy_quantile's threshold.
@@ -645,7 +644,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
             no_sync = isinstance(policy, DDP) and i < len(micro_batches) - 1
             with policy.no_sync() if no_sync else nullcontext():
 
-                # forward: the logprob and entropy of every completion token
+                # forward (mb.packed: pack's outputs): every completion token's logprob, entropy
                 with autocast(env):
                     logps, entropy = policy(*mb.packed, mb.model_mask, cfg.temperature,
                                             cfg.top_k, cfg.top_p)  # [b, T] each
@@ -671,38 +670,53 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
                 # the loss, x loss_scale (loss_normaliser)
                 loss, loss_stats = grpo_loss(logps, old_logps, mb.advantages, mb.loss_mask, cfg,
                                              mb.ref_logps, is_weights, entropy_mask, global_count)
-                total = loss * loss_scale
+                scaled_loss = loss * loss_scale
                 # Variant (--entropy_coef c): minus TRL's entropy bonus, c x the learning tokens'
                 # mean entropy, outside the normaliser, a mean over the micro-batches that train
                 if cfg.entropy_coef != 0:
                     learning = entropy_mask * mb.loss_mask  # [b, T]
                     mean_entropy = (entropy * learning).sum() / learning.sum().clamp(min=1)
-                    total = total - cfg.entropy_coef * mean_entropy * micro_batch_weight
+                    scaled_loss = scaled_loss - cfg.entropy_coef * mean_entropy * micro_batch_weight
 
                 # backward
-                total.backward()
+                scaled_loss.backward()
 
-            mb_sums = micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights)
+            mb_sums = micro_batch_sums(mb, scaled_loss, loss_stats, entropy, old_logps, is_weights)
             for name, value in mb_sums.items():
                 sums[name] = sums.get(name, 0.0) + value.detach().float()
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
 
-    # The canary (the push's check each step; ColocatedEngine's docstring has both checks), before
-    # the update: the trainer must score the tokens vLLM sampled as vLLM did.
-    # gap: |old_logps - vllm_logps| summed over the tokens vLLM sampled, gap_tokens their count
-    # (micro_batch_sums; present only with the IS correction on, which asks vLLM for logprobs)
-    if "gap" in stats:
-        gap = stats["gap"] / max(stats["gap_tokens"], 1)
+    # The canary, logged as sampled_gap: the push's check each step, before the update (both checks:
+    # ColocatedEngine's docstring). The trainer must score the tokens vLLM sampled as vLLM did.
+    # micro_batch_sums summed |old_logps - vllm_logps| over them, and counted them; only with the
+    # IS correction on, which asks vLLM for its logprobs.
+    if "sampled_gap_sum" in stats:
+        gap = stats["sampled_gap_sum"] / max(stats["sampled_gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
 
     # one AdamW step, on a finite gradient (adamw_step)
     with timed(ledger, "optimizer", env):
-        grad_norm, finite = adamw_step(policy, optimizer, scheduler, cfg, env, micro_batch_weight)
+        grad_norm, finite = adamw_step(policy, optimizer, scheduler, cfg, env, micro_batch_weight > 0)
     stats.update(grad_norm=grad_norm.item(), skipped=float(not finite))
     return stats
 
 
-def adamw_step(policy, optimizer, scheduler, cfg: Config, env, micro_batch_weight: float):
+def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
+    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones (without
+    LoRA dropout: add_lora's hook turns it off under no_grad)."""
+    cuts = plan_micro_batches(batch, budget, env)
+    micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
+    with torch.no_grad(), autocast(env):
+        logps = [model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
+                 for mb in micro_batches]  # [b, T] each
+    reshard(model)
+    out = torch.zeros(batch.model_mask.shape)
+    for seqs, lp in zip(cuts, logps):  # to the host once every forward is queued
+        out[seqs.start:seqs.stop, :lp.shape[1]] = lp.float().cpu()
+    return out
+
+
+def adamw_step(policy, optimizer, scheduler, cfg: Config, env, has_loss_tokens: bool):
     """Clip the gradient, step AdamW and the rate's schedule: (||g|| before clipping, finite)."""
     # ||g|| over the whole model (FSDP2: its shards' norms reduced over the ranks)
     params = [p for p in policy.parameters() if p.grad is not None]
@@ -712,11 +726,11 @@ def adamw_step(policy, optimizer, scheduler, cfg: Config, env, micro_batch_weigh
         torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
 
     # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all ranks
-    # agree), nor where no rank holds a loss token (micro_batch_weight 0: AdamW's momentum and
+    # agree), nor where no rank holds a loss token (not has_loss_tokens: AdamW's momentum and
     # weight decay would still move the weights). set_to_none: step() then skips every parameter
     # (one without a gradient); the rate's schedule still advances, as a resume sets it.
     finite = bool(torch.isfinite(grad_norm))
-    if not finite or micro_batch_weight == 0:
+    if not finite or not has_loss_tokens:
         optimizer.zero_grad(set_to_none=True)
     optimizer.step()
     scheduler.step()
@@ -790,39 +804,24 @@ def pack(prompts: list[list[int]], completions: list[list[int]], model_mask, dev
     return input_ids, position_ids, cu_seqlens.to(device), longest, completion_index
 
 
-def micro_batch_sums(mb, total, loss_stats, entropy, old_logps, is_weights) -> dict:
+def micro_batch_sums(mb, scaled_loss, loss_stats, entropy, old_logps, is_weights) -> dict:
     """One micro-batch's share of the step's logged sums (tensors), which train_step adds up and
     reduce_metrics divides (MEANS): plain sums, and grpo_loss's token means x its loss tokens.
-    total: the loss as backward took it (x loss_scale, the entropy bonus included)."""
+    scaled_loss: the loss as backward took it (x loss_scale, the entropy bonus included)."""
     loss_tokens = mb.loss_mask.sum()
-    sums = {"loss": total, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
+    sums = {"loss": scaled_loss, "entropy": (entropy * mb.loss_mask).sum(), "tokens": loss_tokens,
             "completion_tokens": mb.model_mask.sum()}
     sums.update({name: value * loss_tokens for name, value in loss_stats.items()})
     if mb.vllm_logps is not None:
         # the gap on the tokens vLLM sampled: a NaN from vLLM is left out of the sum and the
         # count; a NaN of the trainer's (a non-finite step, skipped) out of the sum only
         gap = (old_logps - mb.vllm_logps).abs() * mb.model_mask  # [b, T]
-        sums["gap"] = gap.nansum()
-        sums["gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
+        sums["sampled_gap_sum"] = gap.nansum()
+        sums["sampled_gap_tokens"] = (mb.model_mask * ~mb.vllm_logps.isnan()).sum()
         weights = is_weights.expand_as(mb.model_mask)  # [b, T] (IS mode sequence_*: [b, 1])
         sums["is_weight"] = (weights * mb.model_mask).sum()
         sums["is_masked"] = ((weights == 0).float() * mb.model_mask).sum()
     return sums
-
-
-def no_grad_logps(model, batch, cfg, env, budget: int) -> torch.Tensor:
-    """[N, T] no-grad logprobs of `model`, on the CPU: the reference's, or frozen old ones (without
-    LoRA dropout: add_lora's hook turns it off under no_grad)."""
-    cuts = plan_micro_batches(batch, budget, env)
-    micro_batches = [micro_batch(batch, seqs, env.device) for seqs in cuts]  # copies first
-    with torch.no_grad(), autocast(env):
-        logps = [model(*mb.packed, mb.model_mask, cfg.temperature, cfg.top_k, cfg.top_p)[0]
-                 for mb in micro_batches]  # [b, T] each
-    reshard(model)
-    out = torch.zeros(batch.model_mask.shape)
-    for seqs, lp in zip(cuts, logps):  # to the host once every forward is queued
-        out[seqs.start:seqs.stop, :lp.shape[1]] = lp.float().cpu()
-    return out
 
 
 # ===== 6. The push: the trained weights into the engine, checked against the trainer ==============
@@ -850,11 +849,11 @@ class ColocatedEngine:
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
     - the probe (probe_gap): engine and trainer score a held-out prompt and its answer, after the
       first push, after a push at the last step (no step follows to check it; a mid-cycle eval's
-      push is checked only if it is there), and after every push when the IS correction is off;
-    - the canary (train_step, before the update; with the IS correction on): the trainer's and
-      vLLM's logprobs of the tokens the engine sampled, both computed anyway (micro_batch_sums
-      sums their gap), in each train step on the batch sampled with it (at num_iterations 1: the
-      push after step s, in step s + 1)."""
+      push is checked only when it falls at the last step), and after every push without IS;
+    - the canary (logged as sampled_gap; with the IS correction on): the trainer's and vLLM's
+      logprobs of the tokens the engine sampled, both computed anyway, compared in train_step
+      before the update. The push after step s is checked in step s + 1, which trains on the batch
+      it sampled (--num_iterations > 1: the same comparison in every step on that batch)."""
 
     def __init__(self, llm, cfg: Config, env, sleep_mode: bool, probe_ids: list[int]):
         self.llm = llm
@@ -864,7 +863,7 @@ class ColocatedEngine:
         self.probe_ids = probe_ids  # a held-out prompt and its answer, scored by engine and trainer
         self.is_asleep = False
         self.pushes = 0
-        self.info = {}  # the last push's probe_gap, if it probed: logged until the next push
+        self.probe_info = {}  # the last push's probe_gap, if it probed: logged until the next push
 
     def sleep(self, ledger):
         with timed(ledger, "sleep_wake", self.env):
@@ -885,12 +884,12 @@ class ColocatedEngine:
             if self.is_asleep:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.is_asleep = False
-        self.info = {}
+        self.probe_info = {}
         first_push_or_last_step = self.pushes == 0 or step == self.cfg.max_steps
         if first_push_or_last_step or not self.cfg.vllm_importance_sampling_correction:
             with timed(ledger, "probe", self.env):
                 gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
-                self.info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
+                self.probe_info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
         self.pushes += 1
 
 
@@ -945,10 +944,10 @@ def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
     return (trainer_logps[0].float().cpu() - torch.tensor(vllm_logps)).abs().mean().item()
 
 
-# The mean |logp gap| allowed. Measured: ~1e-5 in fp32 and 0.04-0.17 in bf16 when the engine holds
-# the trainer's weights; 7.1 after a level-2 wake without a push. So it catches an engine that
-# never got the weights, and a name the push missed once the engine's copy differs (at once after
-# a level-2 sleep; awake, as training moves it); in bf16 an engine one step behind passes.
+# The mean |logp gap| allowed. Measured with the trainer's weights in the engine: ~1e-5 in fp32; in
+# bf16 0.04-0.17 (probe), 0.006-0.04 (canary); 7.1 after a level-2 wake without a push. It catches
+# an engine that never got the weights, and a name the push missed once the engine's copy differs
+# (at once after a level-2 sleep; awake, as training moves it); in bf16 one step behind passes.
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 
@@ -978,8 +977,8 @@ def run(cfg: Config, env, inputs, trackers=()):
     data_position = state["data_position"] if state else 0  # prompts drawn by all ranks so far
     if env.is_main:
         start_outputs(cfg, state)
-    # the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
-    prompts_drawn = math.ceil((cfg.completions_per_rank // cfg.num_generations)
+    # D: the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
+    prompts_per_rollout = math.ceil((cfg.completions_per_rank // cfg.num_generations)
                               * cfg.dynamic_sampling_factor)
 
     # The engine first (it sizes its memory on an empty GPU), asleep (if the memory plan sleeps)
@@ -990,13 +989,13 @@ def run(cfg: Config, env, inputs, trackers=()):
     engine = ColocatedEngine(llm, cfg, env, plan.sleep, probe_ids)
     engine.sleep({})
     trainer = build_trainer(cfg, env, plan, state)
-    print_setup(cfg, env, plan, trainer.lm, inputs, start_step, prompts_drawn)
+    print_setup(cfg, env, plan, trainer.lm, inputs, start_step, prompts_per_rollout)
 
     # the first push: the engine gets the trainer's weights (a resume's too), checked on the probe
     setup_time = {}
     engine.wake_and_push(trainer.policy, start_step, setup_time)
     print0(f"engine ready: first push and probe took {sum(setup_time.values()):.2f}s, "
-           f"probe_gap {engine.info['probe_gap']:.2e}")
+           f"probe_gap {engine.probe_info['probe_gap']:.2e}")
     if cfg.eval_steps and start_step == 0:  # the base model's score
         record = {"step": 0, **evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, 0)}
         log_metrics(cfg, env, record, trackers)
@@ -1024,8 +1023,8 @@ def run(cfg: Config, env, inputs, trackers=()):
         if batch is None or iterations_on_batch == cfg.num_iterations:
 
             # ======== generate (sections 1, 2): G completions per prompt, by the latest weights
-            positions, rows = rows_for_step(train_rows, data_position, env.rank, prompts_drawn,
-                                            cfg.seed)
+            positions, rows = rows_for_rollout(train_rows, data_position, env.rank,
+                                               prompts_per_rollout, cfg.seed)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
             with timed(ledger, "generate", env):
                 prompt_ids = [row["prompt_ids"] for row in rows]
@@ -1038,7 +1037,7 @@ def run(cfg: Config, env, inputs, trackers=()):
                 rewards_per_func = score(reward_funcs, rows, [s.token_ids for s in samples],
                                          cfg.num_generations, tokenizer, cfg.max_completion_length)
 
-            # ======== advantages (3): group-relative, once pick_groups has picked the groups
+            # ======== advantages (3): group-relative, after pick_groups picks the groups
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
             iterations_on_batch = 0
@@ -1083,14 +1082,14 @@ def run(cfg: Config, env, inputs, trackers=()):
         if iterations_on_batch == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
-        # ======== log (F): stdout and metrics.jsonl; the greedy eval
+        # ======== log (F): stdout and metrics.jsonl; the greedy eval (evaluate, below run)
         cuda_sync(env)  # what no phase timed (batching...): the ledger sums to the step, eval apart
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         step_times.append(sum(ledger.values()))
         record = {"step": step}
         if step % cfg.logging_steps == 0 or is_last_step:
             record.update(lr=lr, skipped_steps=skipped_total, **reduce_metrics(
-                cfg, env, batch, train_stats, ledger, memory, trainer.flop_params, engine.info, reward_funcs))
+                cfg, env, batch, train_stats, ledger, memory, trainer.flop_params, engine.probe_info, reward_funcs))
             if env.is_main:
                 clock = progress(started, step_times, cfg.max_steps - step)
                 print(log_line(step, cfg.max_steps, clock, record), flush=True)
@@ -1136,8 +1135,8 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 def setup_env(cfg: Config) -> SimpleNamespace:
     """This rank's place (torchrun's environment) and its platform's ways, decided once (the
-    step reads them: env.push_via, env.attention, env.device...). setup_distributed adds tp_group,
-    the only later field."""
+    step reads them: env.push_via, env.attention, env.device...). tp_group is None here, the one
+    field set later (setup_distributed)."""
     # plain `python grpo_colocate.py`: a world of one, with a process group all the same (the
     # collectives work at world 1; the `world > 1` guards only skip needless ones)
     if "RANK" not in os.environ:
@@ -1870,8 +1869,8 @@ def load_optimizer(path: str, policy, optimizer):
 
 
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
-# What a step pays for sleeping and for a micro-batch more, measured on an H100 (BENCHMARKS.md,
-# "Sleep mode"): 0.11-0.16 s for a sleep and a wake; 0 to 0.1 s for a micro-batch more (135M)
+# What a step pays on an H100 (BENCHMARKS.md, "Sleep mode, decided by time"): a sleep and its
+# wakes 0.13-0.17 s; a micro-batch more 0.03-0.05 s (135M)
 SLEEP_WAKE_SECONDS = 0.15
 MICRO_BATCH_SECONDS = 0.05
 
@@ -1954,7 +1953,7 @@ MEANS = {
     "clip_ratio/high": ("clip_ratio/high", "tokens"),
     "clip_ratio/region": ("clip_ratio/region", "tokens"),
     "kl": ("kl", "tokens"),
-    "sampled_gap": ("gap", "gap_tokens"),
+    "sampled_gap": ("sampled_gap_sum", "sampled_gap_tokens"),
     "is_weight/mean": ("is_weight", "completion_tokens"),
     "is_weight/masked": ("is_masked", "completion_tokens"),
     "tools/call_frequency": ("tool_calls", "generated_completions"),
@@ -2091,7 +2090,7 @@ def log_line(step, max_steps, clock: str, m) -> str:
     return " | ".join(parts)
 
 
-def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
+def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_per_rollout):
     """The derived sizes and the start-up decisions (the memory plan's too), printed once."""
     G = cfg.num_generations
     completions = cfg.completions_per_rank
@@ -2102,8 +2101,8 @@ def print_setup(cfg, env, plan, lm, inputs, start_step, prompts_drawn):
     print0(f"world {env.world} = {env.world // env.tp} engine(s) x tp {env.tp} | trainer "
            f"{' + '.join(trainer)} | device {env.device.type} | dtype {str(env.dtype)[6:]} | policy "
            f"{params:.1f}M params")
-    print0(f"per process and step: {completions // G} prompts (of {prompts_drawn} generated) x G "
-           f"{G} = {completions} completions, in packed micro-batches of <= "
+    print0(f"per process and step: {completions // G} prompts (of {prompts_per_rollout} generated)"
+           f" x G {G} = {completions} completions, in packed micro-batches of <= "
            f"{plan.token_budget} tokens ({env.attention}) | global batch {completions * env.world} "
            f"completions")
     check = "sampled tokens" if cfg.vllm_importance_sampling_correction else "probe"

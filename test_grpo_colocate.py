@@ -865,16 +865,16 @@ def test_arithmetic_task_is_deterministic_and_split():
         assert int(row["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
 
 
-def test_rows_for_step_takes_a_global_slice_whatever_the_world_size():
+def test_rows_for_rollout_takes_a_global_slice_whatever_the_world_size():
     rows = list(range(10))
     epoch0, epoch1 = gc.epoch_permutation(10, 0, 0), gc.epoch_permutation(10, 0, 1)
     assert sorted(epoch0) == rows and epoch0 != epoch1
-    two = [gc.rows_for_step(rows, 6, r, 3, seed=0) for r in range(2)]  # 2 ranks x 3 prompts from position 6
+    two = [gc.rows_for_rollout(rows, 6, r, 3, seed=0) for r in range(2)]  # 2 ranks x 3 prompts from position 6
     assert [list(p) for p, _ in two] == [[6, 7, 8], [9, 10, 11]]  # rank 1 runs into epoch 1 (another order)
     assert two[1][1] == [epoch0[9], epoch1[0], epoch1[1]]
-    one = gc.rows_for_step(rows, 6, 0, 6, seed=0)  # resumed on 1 rank with 6 prompts: the same slice
+    one = gc.rows_for_rollout(rows, 6, 0, 6, seed=0)  # resumed on 1 rank with 6 prompts: the same slice
     assert list(one[0]) == [6, 7, 8, 9, 10, 11] and one[1] == two[0][1] + two[1][1]
-    assert gc.rows_for_step(rows, 6, 1, 3, seed=0) == two[1]  # a pure function of (position, rank, size, seed)
+    assert gc.rows_for_rollout(rows, 6, 1, 3, seed=0) == two[1]  # a pure function of (position, rank, size, seed)
 
 
 def test_truncated_means_no_eos_as_in_trl():
@@ -1520,7 +1520,7 @@ def test_probe_after_every_push_unless_the_canary_runs(monkeypatch, world_of_one
         engine.wake_and_push(SimpleNamespace(lm=None), step, {})  # a push (stubbed), then the probe or not
         probe_ran.append(len(probes) > before)
     assert probe_ran == probed and all(p == [5, 6, 7] for p in probes) and engine.pushes == 3
-    assert ("probe_gap" in engine.info) == probed[-1]  # the last push's
+    assert ("probe_gap" in engine.probe_info) == probed[-1]  # the last push's
 def test_canary_before_the_update(world_of_one):
     """train_step's canary (IS correction on): the sampled tokens' logprob gap, checked before the optimizer step.
     A gap beyond the tolerance stops the step with no update; NaN vLLM logprobs are left out of it
@@ -3271,7 +3271,7 @@ def stale_engine_process(model, out):
     engine = gc.ColocatedEngine(llm, cfg, env, False, probe)
     policy = gc.wrap_policy(gc.load_lm(cfg.model, env.device), env, cfg, False)
     engine.wake_and_push(policy, 0, {})  # the first push, checked on the probe
-    result = {"fresh": engine.info["probe_gap"]}
+    result = {"fresh": engine.probe_info["probe_gap"]}
     funcs, weights = gc.load_reward_funcs(cfg)
 
     def sample(seeds, prompts, torch_seed=0):  # per-request seeds, as rollout passes them
@@ -3442,7 +3442,7 @@ def test_logged_means_as_trl(world_of_one):
              "generated_groups": 2, "varied_groups": 2, "generated_tokens": 12, "prompt_tokens": 8,
              "tool_calls": 0, "tool_failures": 0, "turns": 4}
     train_stats = {"loss": 0.0, "tokens": 6.0, "completion_tokens": 12.0, "entropy": 3.0,
-                   "gap": 0.5, "gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
+                   "sampled_gap_sum": 0.5, "sampled_gap_tokens": 5.0, "clip_ratio/low": 0.0, "clip_ratio/high": 0.0,
                    "clip_ratio/region": 0.0, "grad_norm": 1.0, "skipped": 0.0}
     funcs = [SimpleNamespace(__name__="a"), SimpleNamespace(__name__="b")]
     ledger = {"fwd_bwd": 1.0, "optimizer": 1.0}
@@ -3468,7 +3468,7 @@ def test_train_step_entropy_and_gap_over_their_tokens(world_of_one, monkeypatch)
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     stats = gc.train_step(policy, StepGradients(policy), NO_SCHEDULE, batch, cfg, cpu_env(), BUDGET, {}, 1)
     assert close(stats["entropy"], entropy[0, :2].sum(), 1e-5)  # the first completion's 2 tokens only
-    assert stats["gap_tokens"] == 4 and stats["completion_tokens"] == 5
+    assert stats["sampled_gap_tokens"] == 4 and stats["completion_tokens"] == 5
 
 
 def test_resume_refuses_other_training_rows(tiny_model, tmp_path, monkeypatch, capsys):

@@ -87,7 +87,7 @@ def setup(argv):
 def one_rollout(llm, cfg, env, tokenizer, rows, position, funcs, weights):
     """The trainer's generate, score and advantages phases at data position `position`: a batch."""
     per_rank = cfg.completions_per_rank // cfg.num_generations
-    positions, mine = gc.rows_for_step(rows, position, env.rank, per_rank, cfg.seed)
+    positions, mine = gc.rows_for_rollout(rows, position, env.rank, per_rank, cfg.seed)
     samples, counts = gc.rollout(llm, cfg, env, tokenizer, [r["prompt_ids"] for r in mine], positions)
     rewards = gc.score(funcs, mine, [s.token_ids for s in samples], cfg.num_generations, tokenizer,
                        cfg.max_completion_length)
@@ -101,7 +101,7 @@ def standalone(out, argv, iterations=6):
     per_rank = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps // cfg.num_generations
     results = []
     for gen_index in range(iterations):
-        positions, mine = gc.rows_for_step(rows, gen_index * env.world * per_rank, env.rank, per_rank, cfg.seed)
+        positions, mine = gc.rows_for_rollout(rows, gen_index * env.world * per_rank, env.rank, per_rank, cfg.seed)
         seeds = [gc.derive_seed(cfg.seed, "rollout") + cfg.num_generations * i for i in positions]  # as rollout's
         params = gc.sampling_params(cfg, logprobs=cfg.vllm_importance_sampling_correction)
         dist.barrier()

@@ -227,9 +227,9 @@ def train(out_dir: str, argv: list[str]):
     # TRL's RepeatSampler (shuffle_dataset=False) walks the dataset in order, a chunk of world * per_rank prompts per
     # generation batch (each index G times in a row, the chunk repeated steps_per_generation * num_iterations times),
     # and accelerate's BatchSamplerShard gives process r the r-th per_rank consecutive prompts of the chunk. So row
-    # (g * world + r) * per_rank + i is rows_for_step(g, r)[i]: every rank gets ours, in our order (checked below).
+    # (g * world + r) * per_rank + i is rows_for_rollout(g, r)[i]: every rank gets ours, in our order (checked below).
     ordered = [row for g in range(math.ceil(cfg.max_steps / cfg.num_iterations)) for r in range(world)
-               for row in gc.rows_for_step(train_rows, g * world * per_rank, r, per_rank, cfg.seed)[1]]
+               for row in gc.rows_for_rollout(train_rows, g * world * per_rank, r, per_rank, cfg.seed)[1]]
     chat = tokenizer.chat_template is not None  # ours: the chat template with add_generation_prompt; TRL's the same
     records = [{**{k: v for k, v in row.items() if k not in ("prompt", "prompt_ids")},
                 "prompt": [{"role": "user", "content": row["prompt"]}] if chat and isinstance(row["prompt"], str)
@@ -270,7 +270,7 @@ def train(out_dir: str, argv: list[str]):
     def checked_generate(prompts, *args, **kwargs):  # the token ids TRL made vs those ours generates from
         mine = [list(p) for p in prompts[::G]]
         position = meter.generations * world * per_rank
-        ours = [r["prompt_ids"] for r in gc.rows_for_step(train_rows, position, rank, per_rank, cfg.seed)[1]]
+        ours = [r["prompt_ids"] for r in gc.rows_for_rollout(train_rows, position, rank, per_rank, cfg.seed)[1]]
         meter.prompts, meter.generations = (prompt_hash(mine), mine == ours), meter.generations + 1
         gc.print0(f"generation {meter.generations - 1}: prompts {prompt_hash(mine)}, ours {prompt_hash(ours)}")
         return generate(prompts, *args, **kwargs)

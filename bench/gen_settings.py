@@ -184,7 +184,7 @@ def measure(a, out, lines, emit):
         params = gc.sampling_params(wcfg, logprobs=logprobs)
         per_call = []
         for k in range(calls):
-            positions, mine = gc.rows_for_step(rows, slot[0] * per_rank, env.rank, per_rank, cfg.seed)
+            positions, mine = gc.rows_for_rollout(rows, slot[0] * per_rank, env.rank, per_rank, cfg.seed)
             slot[0] += 1
             seeds = [gc.derive_seed(cfg.seed, "rollout") + cfg.num_generations * i for i in positions]  # as rollout's
             prompt_ids = [r["prompt_ids"] for r in mine]
@@ -234,7 +234,7 @@ def measure(a, out, lines, emit):
             state_dict = load_state_dict(a.model, "cuda" if cuda else "cpu")
         except Exception as e:  # noqa: BLE001
             out["push"] = {"error": error_of(e)}
-    greedy_prompts = [r["prompt_ids"] for r in gc.rows_for_step(rows, 0, 0, 8, cfg.seed)[1]]
+    greedy_prompts = [r["prompt_ids"] for r in gc.rows_for_rollout(rows, 0, 0, 8, cfg.seed)[1]]
     ways = push_ways(llm, state_dict, cuda, inputs.model_config)
     if extras and state_dict is not None and time.time() < deadline - margin:
         out["push"] = push_tests(llm, ways, greedy_prompts, sync)
