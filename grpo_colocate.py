@@ -223,9 +223,9 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     Seeds: every sampled request carries its own (the eval and the probe are greedy: none), from
     the run's seed and the prompt's data position i, so a rollout repeats at a resume and on any
     world size. With base = derive_seed(seed, "rollout"), completion j at position i is seeded
-        base + G i + j                               its first turn (rollout passes base + G i for
-                                                     the request; vLLM seeds its n samples + j)
+        base + G i + j                               its first turn
         derive_seed(seed, "rollout", i, j, turn)     a tool turn (tool_turns)
+    rollout sends base + G i with the request; vLLM seeds its n samples + 0, ..., n - 1.
     The engine's own seed, derive_seed(seed, "engine", rank // tp) (make_engine), is alike within
     a TP group and differs across groups.
     TP groups: the ranks of a group drive ONE engine together, so they must pass it the same
@@ -407,7 +407,7 @@ def pick_groups(rewards_per_func: torch.Tensor, cfg: Config):
     varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
     groups = list(range(len(varied)))
     filler = torch.zeros(len(groups) * G, dtype=torch.bool)  # [D G] (= [N]: D = P)
-    if cfg.dynamic_sampling_factor > 1:
+    if cfg.dynamic_sampling_factor > 1:  # Variant (DAPO's dynamic sampling)
         varied_first = [g for g in groups if varied[g]] + [g for g in groups if not varied[g]]
         groups = varied_first[:cfg.completions_per_rank // G]
         filler = ~varied[groups].repeat_interleave(G)  # [N]
@@ -416,12 +416,10 @@ def pick_groups(rewards_per_func: torch.Tensor, cfg: Config):
 
 def every_rank_rewards(rewards: torch.Tensor, filler: torch.Tensor, env) -> torch.Tensor:
     """[world N] on the CPU: every rank's rewards, the fillers' NaN (left out of the std)."""
-    everyone = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
-    if env.world > 1:
-        gathered = [torch.zeros_like(everyone) for _ in range(env.world)]
-        dist.all_gather(gathered, everyone)
-        everyone = torch.cat(gathered)  # [world N]
-    return everyone.cpu()
+    mine = rewards.masked_fill(filler, math.nan).to(env.device)  # [N]
+    gathered = [torch.zeros_like(mine) for _ in range(env.world)]
+    dist.all_gather(gathered, mine)
+    return torch.cat(gathered).cpu()  # [world N]
 
 
 def nanstd(grouped: torch.Tensor) -> torch.Tensor:
@@ -622,10 +620,10 @@ class Policy(nn.Module):
 
 
 # ===== 5. The train step: micro-batches cut by tokens and packed, the loss, one AdamW step ========
-# Micro-batches, in the order a step makes them. plan_micro_batches cuts the batch in order into
-# runs of at most the token budget, as many on every rank (plan_micro_batches agrees on the
-# count, split_micro_batches cuts). micro_batch takes one run's tensors; pack lays its sequences
-# end to end in one row (no padding; positions restart; the attention kernel sees each alone).
+# Micro-batches, in the order a step makes them. split_micro_batches cuts the batch in order into
+# runs of at most the token budget; plan_micro_batches makes every rank cut as many (the max over
+# the ranks: one with fewer halves its largest). micro_batch takes one run's tensors; pack lays
+# its sequences end to end in one row (no padding; positions restart; attention stays in each).
 # Policy.forward unpacks the scored tokens' logprobs back to [b, T]. The loss does not depend on
 # where the cuts fall (loss_normaliser), except what is per micro-batch by definition: bnpo's
 # mean of micro-batch means, the entropy bonus's, and --top_entropy_quantile's threshold.
@@ -696,7 +694,8 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
 
     # one AdamW step, on a finite gradient (adamw_step)
     with timed(ledger, "optimizer", env):
-        grad_norm, finite = adamw_step(policy, optimizer, scheduler, cfg, env, micro_batch_weight > 0)
+        grad_norm, finite = adamw_step(policy, optimizer, scheduler, cfg, env,
+                                       has_loss_tokens=micro_batch_weight > 0)
     stats.update(grad_norm=grad_norm.item(), skipped=float(not finite))
     return stats
 
@@ -847,9 +846,9 @@ class ColocatedEngine:
 
     The check of a push: check_gap stops the run when the max over the ranks of a mean |logp
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
-    - the probe (probe_gap): engine and trainer score a held-out prompt and its answer, after the
-      first push, after a push at the last step (no step follows to check it; a mid-cycle eval's
-      push is checked only when it falls at the last step), and after every push without IS;
+    - the probe (probe_gap), where no canary will check the push: engine and trainer score a
+      held-out prompt and its answer after the first push, after a push at the last step (no step
+      follows; so a mid-cycle eval's push, with IS on, only there), and after every push, IS off;
     - the canary (logged as sampled_gap; with the IS correction on): the trainer's and vLLM's
       logprobs of the tokens the engine sampled, both computed anyway, compared in train_step
       before the update. The push after step s is checked in step s + 1, which trains on the batch
@@ -885,8 +884,9 @@ class ColocatedEngine:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.is_asleep = False
         self.probe_info = {}
-        first_push_or_last_step = self.pushes == 0 or step == self.cfg.max_steps
-        if first_push_or_last_step or not self.cfg.vllm_importance_sampling_correction:
+        # probed where no canary will check this push: the first, the last step's, all if IS is off
+        no_canary_follows = self.pushes == 0 or step == self.cfg.max_steps
+        if no_canary_follows or not self.cfg.vllm_importance_sampling_correction:
             with timed(ledger, "probe", self.env):
                 gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
                 self.probe_info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
@@ -1008,7 +1008,7 @@ def run(cfg: Config, env, inputs, trackers=()):
     started = time.time()
     step_times = []  # this process's steps, in seconds
     batch = None  # the current generation batch, trained on num_iterations times
-    iterations_on_batch = 0
+    iterations_done = 0  # the optimizer steps taken on the current batch
     skipped_in_a_row = skipped_total = 0  # non-finite steps: in a row, and in all
     for step in range(start_step + 1, cfg.max_steps + 1):
         ledger = {}  # phase -> seconds, this step
@@ -1020,7 +1020,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         is_last_step = step == cfg.max_steps
 
         # a new generation batch every num_iterations steps (a resume starts with one)
-        if batch is None or iterations_on_batch == cfg.num_iterations:
+        if batch is None or iterations_done == cfg.num_iterations:
 
             # ======== generate (sections 1, 2): G completions per prompt, by the latest weights
             positions, rows = rows_for_rollout(train_rows, data_position, env.rank,
@@ -1040,12 +1040,12 @@ def run(cfg: Config, env, inputs, trackers=()):
             # ======== advantages (3): group-relative, after pick_groups picks the groups
             batch = make_batch(cfg, env, tokenizer, rows, samples, rewards_per_func,
                                reward_weights, tool_counts)
-            iterations_on_batch = 0
+            iterations_done = 0
 
             # ======== logprobs (5): no-grad passes, frozen for the batch's iterations (Variants:
             # num_iterations > 1, --lora_dropout, --beta > 0; none at the defaults)
             with timed(ledger, "logprobs", env):
-                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # old: see train_step
+                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # Variant; old: train_step
                     policy = unwrap(trainer.policy)
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.token_budget)
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
@@ -1058,7 +1058,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         train_stats = train_step(trainer.policy, trainer.optimizer, trainer.scheduler, batch, cfg,
                                  env, plan.token_budget, ledger, step)
         sample_memory(env, memory)  # after training (its peak: max_memory_allocated)
-        iterations_on_batch += 1
+        iterations_done += 1
 
         # a non-finite loss or gradient skipped the update; three in a row end the run
         skipped = train_stats["skipped"] > 0
@@ -1079,7 +1079,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             print0(f"saved {path}")
 
         # ======== push (6): the trained weights into the engine (checked: probe or next canary)
-        if iterations_on_batch == cfg.num_iterations:
+        if iterations_done == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
         # ======== log (F): stdout and metrics.jsonl; the greedy eval (evaluate, below run)
@@ -1097,7 +1097,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             with timed(record, "time/eval", env):
                 # mid-cycle (num_iterations > 1) the engine's weights are older: push, evaluate,
                 # and sleep again, for the trainer goes on with this batch
-                mid_cycle = iterations_on_batch < cfg.num_iterations
+                mid_cycle = iterations_done < cfg.num_iterations
                 if mid_cycle:
                     engine.wake_and_push(trainer.policy, step, {})
                 record.update(evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step))

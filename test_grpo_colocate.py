@@ -3884,7 +3884,7 @@ def test_the_probe_is_greedy(monkeypatch):
     assert llm.seen and llm.seen[0][1] == 0.0
 
 
-def test_batch_std_leaves_the_fillers_out(monkeypatch):
+def test_batch_std_leaves_the_fillers_out(world_of_one, monkeypatch):
     """--scale_rewards batch with dynamic sampling: the std spans the trained groups' rewards only,
     so fillers change nothing. One varied group [0, 1] (G = 2: mean 0.5, std sqrt(0.5)) gets
     -0.707 / 0.707 alone and beside an all-0 filler (over [0, 1, 0, 0] it would get -0.5 / 1.5)."""
