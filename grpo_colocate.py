@@ -202,7 +202,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
 def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], positions=None):
     """(samples [D G], G consecutive ones per prompt; the tool counts). positions: the prompts' data
     positions, which seed them; None: the eval, one greedy completion per prompt (samples [D])."""
-    n = 1 if positions is None else cfg.num_generations
+    per_prompt = 1 if positions is None else cfg.num_generations
     params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
     seeds = None  # position i: base + G i, base = derive_seed(seed, "rollout") (generate's doc)
     if positions is not None:
@@ -211,7 +211,7 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     for out in generate(llm, env, prompt_ids, params, seeds):
         samples += [add_turn(c) for c in out.outputs]
     # Variant (--tools): more turns, appended to the samples in place (no tools: returns at once)
-    sample_prompt_ids = [prompt_ids[k // n] for k in range(len(samples))]
+    sample_prompt_ids = [prompt_ids[k // per_prompt] for k in range(len(samples))]
     counts = tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, positions)
     return samples, counts
 
@@ -225,7 +225,7 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     world size. With base = derive_seed(seed, "rollout"), completion j at position i is seeded
         base + G i + j                               its first turn
         derive_seed(seed, "rollout", i, j, turn)     a tool turn (tool_turns)
-    rollout sends base + G i with the request; vLLM seeds its n samples + 0, ..., n - 1.
+    rollout sends base + G i with the request; vLLM seeds its samples base + G i + 0, 1, ...
     The engine's own seed, derive_seed(seed, "engine", rank // tp) (make_engine), is alike within
     a TP group and differs across groups.
     TP groups: the ranks of a group drive ONE engine together, so they must pass it the same
@@ -515,8 +515,8 @@ def grpo_loss(logps, old_logps, advantages, loss_mask, cfg: Config, ref_logps=No
 
     # The policy term. With num_iterations 1 (and no dropout) the ratio is exactly 1, so neither
     # clip acts: the term is -A (cispo: -A logp; sapo: -2 A / tau), its gradient -A grad logp in
-    # all three (each x the IS weight w). Clips bite from the second iteration. The defaults
-    # (dapo) take the first branch, the clipped surrogate.
+    # all three (x the IS weight w; cispo: with a cap >= 1). Clips bite from iteration 2. The
+    # defaults (dapo) take the first branch, the clipped surrogate.
     if cfg.loss_type not in ("cispo", "sapo"):
         clipped = torch.clamp(ratio, 1 - cfg.epsilon, 1 + epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv) * entropy_mask  # [b, T]
@@ -649,7 +649,7 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
 
                 # Old logprobs: those of the policy that sampled. With num_iterations 1 these
                 # weights sampled the batch (the engine got them at the last push): this very
-                # forward's, detached, so the ratio is 1 and no extra pass is needed. With
+                # forward's, detached (the IS weights and the canary use them too), ratio 1. With
                 # num_iterations > 1 (the weights move between iterations), or --lora_dropout (this
                 # forward is noisy), the loop's logprobs phase froze them once (no_grad_logps).
                 old_logps = logps.detach() if mb.old_logps is None else mb.old_logps  # [b, T]
@@ -846,9 +846,9 @@ class ColocatedEngine:
 
     The check of a push: check_gap stops the run when the max over the ranks of a mean |logp
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
-    - the probe (probe_gap), where no canary will check the push: engine and trainer score a
-      held-out prompt and its answer after the first push, after a push at the last step (no step
-      follows; so a mid-cycle eval's push, with IS on, only there), and after every push, IS off;
+    - the probe (probe_gap): engine and trainer score a held-out prompt and its answer after the
+      first push, after a push at the last step (no step follows), and after every push with the IS
+      correction off. (With it on, a mid-cycle eval's push is checked only at the last step.)
     - the canary (logged as sampled_gap; with the IS correction on): the trainer's and vLLM's
       logprobs of the tokens the engine sampled, both computed anyway, compared in train_step
       before the update. The push after step s is checked in step s + 1, which trains on the batch
@@ -884,7 +884,7 @@ class ColocatedEngine:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.is_asleep = False
         self.probe_info = {}
-        # probed where no canary will check this push: the first, the last step's, all if IS is off
+        # the probe: the first push, the last step's (no canary follows), every one with IS off
         no_canary_follows = self.pushes == 0 or step == self.cfg.max_steps
         if no_canary_follows or not self.cfg.vllm_importance_sampling_correction:
             with timed(ledger, "probe", self.env):
@@ -947,7 +947,7 @@ def probe_gap(llm, policy, probe_ids: list[int], env) -> float:
 # The mean |logp gap| allowed. Measured with the trainer's weights in the engine: ~1e-5 in fp32; in
 # bf16 0.04-0.17 (probe), 0.006-0.04 (canary); 7.1 after a level-2 wake without a push. It catches
 # an engine that never got the weights, and a name the push missed once the engine's copy differs
-# (at once after a level-2 sleep; awake, as training moves it); in bf16 one step behind passes.
+# (at once after a level-2 sleep; awake, once training moved it far); bf16: one step behind passes.
 PARITY_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 
