@@ -110,7 +110,7 @@ class Config:
     learning_rate: float = arg(1e-6, "AdamW's peak learning rate")
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = arg("linear", "after warmup")
     warmup_steps: int = arg(0, "W: step s (from 1) trains at lr x (s - 1) / W while s <= W")
-    weight_decay: float = arg(0.0, "AdamW weight decay (not on 1-D parameters: biases, norms)")
+    weight_decay: float = arg(0.0, "AdamW weight decay (not on 1-D ones, biases, norms by name)")
     max_grad_norm: float = arg(1.0, "clip the global gradient norm to this (0: no clipping)")
     beta: float = arg(0.0, "KL coefficient to a frozen reference model (0: none is loaded)")
     epsilon: float = arg(0.2, "lower clip: ratio >= 1 - epsilon (num_iterations > 1, LoRA dropout)")
@@ -441,15 +441,16 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
 #   "constant"    sum_it l m / (S max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
 #   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
-# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, its clip rule
-# in logged_token_means (F), a MEANS row for any new statistic (a test checks the first two).
+# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, its clip
+# rule in logged_token_means (appendix F), a MEANS row for any new statistic (a test checks the
+# first two).
 NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
                "dr_grpo": "constant", "bnpo": "micro_batch"}
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
 
 
 def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
-    """How the loss of one step is scaled, the whole story here: one step's gradient is the
+    """How the loss of one step is scaled: one step's gradient is the
     gradient of ONE loss over the global batch, wherever the batch was cut into micro-batches and
     over however many ranks. Example, dapo on 2 ranks with 300 and 100 loss tokens: every
     micro-batch divides its sum by 400 (global_count) and multiplies by 2 (loss_scale); DDP
@@ -848,7 +849,7 @@ class ColocatedEngine:
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
     - the probe (probe_gap): engine and trainer score a held-out prompt and its answer after the
       first push, after a push at the last step (no step follows), and after every push with the IS
-      correction off. (With it on, a mid-cycle eval's push is checked only at the last step.)
+      correction off. (With it on, a mid-cycle eval's push is not checked, unless at the last step.)
     - the canary (logged as sampled_gap; with the IS correction on): the trainer's and vLLM's
       logprobs of the tokens the engine sampled, both computed anyway, compared in train_step
       before the update. The push after step s is checked in step s + 1, which trains on the batch
@@ -1045,7 +1046,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             # ======== logprobs (5): no-grad passes, frozen for the batch's iterations (Variants:
             # num_iterations > 1, --lora_dropout, --beta > 0; none at the defaults)
             with timed(ledger, "logprobs", env):
-                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # Variant; old: train_step
+                if cfg.num_iterations > 1 or cfg.lora_dropout > 0:  # Variant (else: train_step's)
                     policy = unwrap(trainer.policy)
                     batch.old_logps = no_grad_logps(policy, batch, cfg, env, plan.token_budget)
                 if trainer.reference is not None:  # LoRA's: the policy with its adapters off
@@ -1070,7 +1071,7 @@ def run(cfg: Config, env, inputs, trackers=()):
             raise RuntimeError(f"step {step}: 3 non-finite steps in a row; lower --learning_rate, "
                                "check the rewards for NaN/inf, or --resume_from_checkpoint latest")
 
-        # ======== save (D): before the push, so a failure in the push, its check or eval keeps it
+        # ======== save (appendix D): before the push, so a failed push, check or eval keeps it
         is_save_step = cfg.save_steps > 0 and step % cfg.save_steps == 0
         if cfg.save_steps >= 0 and (is_last_step or is_save_step):
             with timed(ledger, "save", env):
@@ -1082,7 +1083,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         if iterations_done == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
 
-        # ======== log (F): stdout and metrics.jsonl; the greedy eval (evaluate, below run)
+        # ======== log (appendix F): stdout and metrics.jsonl; the greedy eval (evaluate, below run)
         cuda_sync(env)  # what no phase timed (batching...): the ledger sums to the step, eval apart
         ledger["other"] = max(0.0, time.perf_counter() - step_start - sum(ledger.values()))
         step_times.append(sum(ledger.values()))
