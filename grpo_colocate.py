@@ -450,11 +450,11 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 
 
 def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
-    """How the loss of one step is scaled: one step's gradient is the
-    gradient of ONE loss over the global batch, wherever the batch was cut into micro-batches and
-    over however many ranks. Example, dapo on 2 ranks with 300 and 100 loss tokens: every
-    micro-batch divides its sum by 400 (global_count) and multiplies by 2 (loss_scale); DDP
-    averages the two ranks' summed gradients (/ 2): the gradient of the token mean of all 400.
+    """How one step's loss is scaled (the defaults, dapo: global_count is every rank's loss tokens,
+    loss_scale the world size), so that the step's gradient is that of ONE loss over the global
+    batch, however it was cut into micro-batches and over however many ranks. Example, dapo on 2
+    ranks with 300 and 100 loss tokens: every micro-batch divides its sum by 400 (global_count)
+    and multiplies by 2 (loss_scale); DDP averages the ranks' gradients (/ 2): the token mean's.
 
     Returns, all three the same on every rank (one all_reduce):
     - global_count: what grpo_loss divides by (NORMALISERS' row), counted over the WHOLE global
@@ -749,7 +749,7 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
     """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches.
-    A cut ends before sequence `end` when adding it would pass the budget (or at the last)."""
+    A cut [start, end) closes when sequences start..end together pass the budget (or at the end)."""
     cuts = []
     start = 0
     for end in range(1, len(lengths) + 1):
@@ -832,7 +832,7 @@ class ColocatedEngine:
     sleep() (with sleep mode on) frees the engine's GPU memory while the trainer works. Level 1
     copies the weights to CPU RAM; level 2 DISCARDS them: after a level-2 wake the weights are
     garbage until the trained ones are pushed, so never generate before the push.
-    wake_and_push(), in this order (1, 2 and 4 only when it sleeps):
+    wake_and_push(), in this order (1, 2 and 4 only when it sleeps), then the probe when due:
     1. empty_cache, if less than env.engine_bytes (the engine's share + 2 GiB) is free: the
        trainer's cached blocks go back to the driver, for vLLM to map;
     2. wake the weights;
@@ -848,8 +848,9 @@ class ColocatedEngine:
     The check of a push: check_gap stops the run when the max over the ranks of a mean |logp
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
     - the probe (probe_gap): engine and trainer score a held-out prompt and its answer after the
-      first push, after a push at the last step (no step follows), and after every push with the IS
-      correction off. (With it on, a mid-cycle eval's push is not checked, unless at the last step.)
+      first push (it proves the names map), after a push at the last step (no canary follows), and
+      after every push with the IS correction off (no canary). With it on, a mid-cycle eval's push
+      is not checked, unless at the last step.
     - the canary (logged as sampled_gap; with the IS correction on): the trainer's and vLLM's
       logprobs of the tokens the engine sampled, both computed anyway, compared in train_step
       before the update. The push after step s is checked in step s + 1, which trains on the batch
@@ -874,7 +875,7 @@ class ColocatedEngine:
     def wake_and_push(self, policy, step, ledger):
         with timed(ledger, "sleep_wake", self.env):
             if self.is_asleep:
-                # empty_cache if less than engine_bytes (its share + 2 GiB) is free: ~0.1 s at 1.5B
+                # empty_cache if less than engine_bytes (its share + 2 GiB) is free (0.06-0.3 s)
                 if torch.cuda.mem_get_info(self.env.device)[0] < self.env.engine_bytes:
                     torch.cuda.empty_cache()
                 self.llm.wake_up(tags=["weights"])
@@ -885,9 +886,8 @@ class ColocatedEngine:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.is_asleep = False
         self.probe_info = {}
-        # the probe: the first push, the last step's (no canary follows), every one with IS off
-        no_canary_follows = self.pushes == 0 or step == self.cfg.max_steps
-        if no_canary_follows or not self.cfg.vllm_importance_sampling_correction:
+        probe_due = self.pushes == 0 or step == self.cfg.max_steps  # the docstring says why
+        if probe_due or not self.cfg.vllm_importance_sampling_correction:
             with timed(ledger, "probe", self.env):
                 gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
                 self.probe_info = {"probe_gap": check_gap(gap, self.env, step, "the probe")}
