@@ -551,7 +551,8 @@ def grpo_loss(logps, old_logps, advantages, loss_mask, cfg: Config, ref_logps=No
     else:  # "constant"
         num_sequences = logps.shape[0] if global_count is None else global_count
         loss = masked.sum() / (num_sequences * cfg.max_completion_length)
-    return loss, logged_token_means(ratio, adv, mask, cfg, kl)  # the clip ratios, KL (appendix F)
+    upper = cispo_cap if cfg.loss_type == "cispo" else 1 + epsilon_high  # the high clip's bound
+    return loss, logged_token_means(ratio, adv, mask, cfg, upper, kl)  # clip ratios, KL: appendix F
 
 
 def vllm_importance_weights(old_logps, vllm_logps, model_mask, mode="sequence_mask", clip_max=3.0):
@@ -1965,17 +1966,16 @@ MEANS = {
 }
 
 
-def logged_token_means(ratio, adv, mask, cfg: Config, kl=None) -> dict:
+def logged_token_means(ratio, adv, mask, cfg: Config, upper: float, kl=None) -> dict:
     """grpo_loss's logged token means (no gradient): where a clip cuts the gradient, the ratio
-    outside the range on the side the advantage pushes (cispo: where its cap acts, only when
-    A > 0; sapo: where a clip would), and the KL (with --beta)."""
+    outside the range on the side the advantage pushes (cispo: where its cap, upper, acts, only
+    when A > 0; sapo: where a clip would), and the KL (with --beta)."""
     cispo = cfg.loss_type == "cispo"
-    high_cap = (cfg.epsilon_high or CISPO_CAP) if cispo else 1 + (cfg.epsilon_high or cfg.epsilon)
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
         low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (not cispo)
-        high = (ratio > high_cap) & (adv > 0)
+        high = (ratio > upper) & (adv > 0)
         stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
                  "clip_ratio/region": token_mean(low | high)}
         if kl is not None:
