@@ -1871,10 +1871,9 @@ def load_optimizer(path: str, policy, optimizer):
 
 
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
-# What a step pays on an H100 (BENCHMARKS.md, "Sleep mode, decided by time"): a sleep and its
-# wakes 0.13-0.17 s; a micro-batch more 0.03-0.05 s (135M)
-SLEEP_WAKE_SECONDS = 0.15
-MICRO_BATCH_SECONDS = 0.05
+# What a step pays (BENCHMARKS.md: "Sleep mode, decided by time"; "Four GPUs: the driver, ...")
+SLEEP_WAKE_SECONDS = 0.15  # a sleep and wakes, x ranks on the host (1: 0.13-0.29 s, 4: 0.58-0.73)
+MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.04 s at 1.5B
 
 
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
@@ -1921,11 +1920,12 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
         asleep_cuts = math.ceil(batch_tokens / budget(asleep_room))
         awake_cuts = math.ceil(batch_tokens / max(budget(awake_room), 1))
         cost = (awake_cuts - asleep_cuts) * MICRO_BATCH_SECONDS
-        sleep = awake_room < floor * per_token or cost >= SLEEP_WAKE_SECONDS
+        sleep_cost = SLEEP_WAKE_SECONDS * env.local_world  # the host's ranks free and map in turn
+        sleep = awake_room < floor * per_token or cost >= sleep_cost
         why += f" (auto: awake would cut {awake_cuts} micro-batches, not {asleep_cuts})"
         if not sleep:
             why = f"off (auto: {awake_cuts} micro-batches awake, {asleep_cuts} asleep: ~{cost:.2f}s " \
-                  f"< a sleep and a wake, ~{SLEEP_WAKE_SECONDS}s)"
+                  f"< a sleep and a wake, ~{sleep_cost:.2f}s)"
             room = awake_room
 
     # the budget, which must hold the longest sequence

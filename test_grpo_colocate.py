@@ -796,7 +796,7 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     """Sleep mode auto decides from memory_plan's planned peak (parameters + a full token budget),
     never from a short first step: the engine stays awake only where 4,096 tokens (or your budget)
     fit beside it AND the micro-batches the smaller budget adds cost less than a sleep and a wake
-    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS); the budget is then sized for the room
+    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS per rank on the host); the budget is then sized for the room
     beside it. 0.5B on 80 GiB."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
@@ -835,6 +835,12 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     # fit there, so checkpointed: 4 x 1536 x 28 + 120 x 1536 = 356,352 bytes per token, 57,240 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
     assert (p.token_budget, p.checkpointing, p.sleep) == (57240, True, False)
+    # four ranks on the host: their sleeps and wakes take turns in the driver (4 x 0.15 s), so the
+    # 5 micro-batches more of 128 completions (0.25 s) are the cheaper choice: awake
+    env.local_world = 4
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=128)
+    assert (tokens, checkpointing, sleep) == (14413, False, False)
+    assert "off (auto: 12 micro-batches awake, 7 asleep: ~0.25s < a sleep and a wake, ~0.60s)" in why
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():

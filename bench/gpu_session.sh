@@ -76,6 +76,9 @@
 #             time"): STEP smol (SmolLM2, fixed 256 tokens and natural stops) or q15 (the 1.5B shape, fixed; made if
 #             missing). Per workload four runs of S20_STEPS (10) steps, alternated: auto, the other, auto, the other.
 #             Results: $OUT/s20-STEP.txt (each run's median step, and per mode), s20-STEP.tar.gz (metrics and logs)
+#   s21 STEPS four GPUs (BENCHMARKS.md "Four GPUs"): ec (bench/empty_cache.py: empty_cache's cost after a DDP step,
+#             torch alone, no staging needed), make (the 1.5B shape), scale (the trainer under bench/phases.py, setups
+#             in S21_SETUPS with environment variables). Results: $OUT/s21-STEP.txt, s21.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -440,6 +443,60 @@ for key, times in sorted(by_mode.items()):
     print(f"{key}: {len(times)} steps, median {statistics.median(times):.3f} s, mean {statistics.mean(times):.3f}")
 PY
   tar -czf "$OUT/s20-$2.tar.gz" -C /tmp s20-$2 ;;
+s21)  # four GPUs (BENCHMARKS.md "Four GPUs"): STEPS of
+  # ec     bench/empty_cache.py (torch alone): empty_cache after a DDP step vs alone; S21_EC lines "MODE NPROC ENV|-"
+  # make   the 1.5B shape
+  # scale  the trainer under bench/phases.py as s15 scale; S21_SETUPS="N NAME ENV|- FLAGS;..." (ENV: A=1,B=2)
+  shift; D=/tmp/s21; mkdir -p $D
+  for step in "$@"; do
+    T=$OUT/s21-$step.txt; SECONDS=0; versions >> $T
+    case $step in
+    ec)
+      while read -r mode n envs; do
+        [ -z "$mode" ] && continue; [ "$envs" = - ] && envs=
+        echo "== $mode x$n ${envs:-} (${SECONDS}s)" | tee -a $T
+        # shellcheck disable=SC2086
+        env $envs CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 150 python3 -m torch.distributed.run --standalone \
+          --nproc_per_node $n bench/empty_cache.py $mode 6 > $D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log 2>&1 \
+          || echo "   FAILED: $(tail -3 $D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log)" | tee -a $T
+        grep -h '^{' $D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log | python3 -c "
+import json, sys
+for r in map(json.loads, sys.stdin):
+    print(f\"   rank {r['rank']}: empty_cache {r['median_s']:.3f} s ({r['segments_freed']} segments, {r['gib_freed']} GiB),\",
+          f\"fwd_bwd {r['fwd_bwd_s']:.3f} s; per step {[x['s'] for x in r['steps']]}\")" | tee -a $T
+      done <<< "${S21_EC:-plain 1 -
+plain 4 -
+ddp 4 -
+ddp 4 NCCL_P2P_DISABLE=1
+ddp 4 TORCH_NCCL_AVOID_RECORD_STREAMS=1
+ddp 4 NCCL_CUMEM_ENABLE=0
+ddp:200 4 -}" ;;
+    make)
+      [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 | tee -a $T ;;
+    scale)
+      IFS=';' read -ra setups <<< "${S21_SETUPS:-1 one -;4 ddp -}"
+      for setup in "${setups[@]}"; do
+        read -r n name envs flags <<< "$setup"; [ "$envs" = - ] && envs=
+        left=$(( ${S21_DEADLINE:-570} - SECONDS )); [ $left -lt 90 ] && { echo "== $name skipped" | tee -a $T; continue; }
+        echo "== $name: $n GPUs ${envs//,/ } $flags (${SECONDS}s)" | tee -a $T
+        # shellcheck disable=SC2086
+        env ${envs//,/ } CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout -k 10 $(( left < 220 ? left : 220 )) \
+          python3 -m torch.distributed.run --standalone --nproc_per_node $n bench/phases.py $D/$name --model "$M15" "${W[@]}" \
+          $flags --output_dir $D/$name/out > $D/$name.log 2>&1 || echo "   FAILED: $(tail -3 $D/$name.log)" | tee -a $T
+        grep -h "^engine: \|^step 8/" $D/$name.log | cut -c1-400 | tee -a $T
+        python3 bench/phases.py report $D/$name 3 2>&1 | tee -a $T
+        python3 - $D/$name <<'PY' | tee -a $T
+import glob, json, statistics, sys
+for f in sorted(glob.glob(sys.argv[1] + "/rank*.jsonl")):
+    ec = [e for e in map(json.loads, open(f)) if e["name"] == "empty_cache" and e["step"] >= 3 and "segments" in e]
+    if ec:
+        print(f"   {f.rsplit('/', 1)[1]}: empty_cache {statistics.median(e['end'] - e['start'] for e in ec):.3f} s,",
+              f"segments {statistics.median(e['segments'] for e in ec)}, cached {statistics.median(e['reserved_gib'] for e in ec):.1f} GiB")
+PY
+      done ;;
+    esac
+    tar -czf "$OUT/s21.tar.gz" -C /tmp s21
+  done ;;
 s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
   D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"
   fp8_wheels

@@ -9,12 +9,14 @@ score, make_batch, train_step, push_weights, probe_gap, reduce_metrics), vLLM's 
 empty_cache before a wake, and Python's garbage collections over 2 ms. The report gives, per name, each rank's
 median time per step from FIRST_STEP (default 3), and for the phases every rank runs the spread of their ends (how
 long the first rank to finish waits at the next collective); then rank 0's ledger from OUT_DIR/out/metrics.jsonl
-(run with --output_dir OUT_DIR/out).
+(run with --output_dir OUT_DIR/out). PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP;
+PHASES_PIN=C pins rank r to cores [r C, (r + 1) C).
 """
 import functools
 import gc
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -26,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as gcol  # noqa: E402
 
 EVENTS, STEP = [], [1]
+ENGINE_STEPS = []  # the seconds of each LLMEngine.step in the rollout under way
 PHASES = ("rollout", "score", "make_batch", "train_step", "push_weights", "probe_gap", "reduce_metrics")
 
 
@@ -35,10 +38,36 @@ def record(name, start, **extra):
     EVENTS.append({"step": STEP[0], "name": name, "start": start, "end": time.time(), **extra})
 
 
+def steal_ticks():
+    with open("/proc/stat") as f:  # cpu user nice system idle iowait irq softirq steal
+        return int(f.readline().split()[8])
+
+
+def host_counters():
+    usage = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.thread_time(), time.process_time(), usage.ru_nvcsw, usage.ru_nivcsw, steal_ticks()
+
+
+def rollout_extra(before):
+    """Where a rollout's wall time went on the host: its engine steps (count, sum, the slowest) and the main
+    thread's CPU time, context switches, and the machine's steal time (a hypervisor's other guests)."""
+    after = host_counters()
+    steps = sorted(ENGINE_STEPS)
+    n = len(steps)
+    return {"engine_steps": n, "engine_step_sum": sum(steps), "engine_step_p50": steps[n // 2] if n else 0,
+            "engine_step_p90": steps[int(n * 0.9)] if n else 0, "engine_step_top3": steps[-3:],
+            "thread_cpu": after[0] - before[0], "process_cpu": after[1] - before[1],
+            "voluntary_switches": after[2] - before[2], "involuntary_switches": after[3] - before[3],
+            "steal_s": (after[4] - before[4]) / os.sysconf("SC_CLK_TCK")}
+
+
 def wrap(fn, name):
     @functools.wraps(fn)
     def timed_call(*args, **kwargs):
-        extra = {}
+        extra, before = {}, None
+        if name == "rollout":
+            ENGINE_STEPS.clear()
+            before = host_counters()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             if name == "empty_cache":  # what it has to give back: the caching allocator's segments
@@ -51,6 +80,8 @@ def wrap(fn, name):
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            if before is not None:
+                extra = rollout_extra(before)
             record(name(args, kwargs) if callable(name) else name, start, **extra)
             STEP[0] += name == "train_step"
     return timed_call
@@ -58,6 +89,24 @@ def wrap(fn, name):
 
 def instrument():
     from vllm import LLM
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine_step = LLMEngine.step
+
+    def timed_step(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return engine_step(self, *args, **kwargs)
+        finally:
+            ENGINE_STEPS.append(time.perf_counter() - start)
+    LLMEngine.step = timed_step
+
+    extra = json.loads(os.environ.get("PHASES_DDP", "{}"))
+    if extra:
+        class TunedDDP(gcol.DDP):  # isinstance(policy, gcol.DDP) in the trainer still holds
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **{**kwargs, **extra})
+        gcol.DDP = TunedDDP
 
     for phase in PHASES:
         setattr(gcol, phase, wrap(getattr(gcol, phase), phase))
@@ -108,6 +157,10 @@ if __name__ == "__main__":
         sys.exit()
     out_dir, argv = sys.argv[1], sys.argv[2:]
     os.makedirs(out_dir, exist_ok=True)
+    if os.environ.get("PHASES_PIN"):  # PHASES_PIN=C: rank r on cores [r C, (r + 1) C)
+        cores = int(os.environ["PHASES_PIN"])
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        os.sched_setaffinity(0, range(local * cores, (local + 1) * cores))
     instrument()
     try:
         gcol.main(argv)
