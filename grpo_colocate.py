@@ -330,7 +330,6 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     # the groups this step trains on (pick_groups): at the defaults all drawn, in order (D = P)
     groups, filler, varied = pick_groups(rewards_per_func, cfg)  # [P], [N], [D]
     sample_index = torch.tensor([g * G + j for g in groups for j in range(G)])  # their samples [N]
-    batch_rows = [drawn_rows[g] for g in groups]
     batch_samples = [drawn_samples[i] for i in sample_index.tolist()]
     batch_rewards_per_func = rewards_per_func[sample_index]  # [N, R]
 
@@ -364,7 +363,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
 
     # the logged sums: what was generated (the model's tokens, not tool results) before any group
     # was dropped, then the batch's
-    sample_prompt_ids = [batch_rows[k // G]["prompt_ids"] for k in range(len(batch_samples))]
+    sample_prompt_ids = [drawn_rows[g]["prompt_ids"] for g in groups for _ in range(G)]
     stats = dict(generated_groups=len(drawn_rows), varied_groups=int(varied.sum()),
                  generated_tokens=sum(sum(s.model_mask) for s in drawn_samples), **tool_counts,
                  rewards=rewards, rewards_per_func=batch_rewards_per_func, advantages=advantages,
@@ -1092,9 +1091,8 @@ def run(cfg: Config, env, inputs, trackers=()):
         if step % cfg.logging_steps == 0 or is_last_step:
             record.update(lr=lr, skipped_steps=skipped_total, **reduce_metrics(
                 cfg, env, batch, train_stats, ledger, memory, trainer.flop_params, engine.probe_info, reward_funcs))
-            if env.is_main:
-                clock = progress(started, step_times, cfg.max_steps - step)
-                print(log_line(step, cfg.max_steps, clock, record), flush=True)
+            clock = progress(started, step_times, cfg.max_steps - step)
+            print0(log_line(step, cfg.max_steps, clock, record))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
             with timed(record, "time/eval", env):
                 # mid-cycle (num_iterations > 1) the engine's weights are older: push, evaluate,
@@ -1970,11 +1968,10 @@ def logged_token_means(ratio, adv, mask, cfg: Config, upper: float, kl=None) -> 
     """grpo_loss's logged token means (no gradient): where a clip cuts the gradient, the ratio
     outside the range on the side the advantage pushes (cispo: where its cap, upper, acts, only
     when A > 0; sapo: where a clip would), and the KL (with --beta)."""
-    cispo = cfg.loss_type == "cispo"
     with torch.no_grad():
         def token_mean(x):
             return (x.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
-        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (not cispo)
+        low = (ratio < 1 - cfg.epsilon) & (adv < 0) & (cfg.loss_type != "cispo")
         high = (ratio > upper) & (adv > 0)
         stats = {"clip_ratio/low": token_mean(low), "clip_ratio/high": token_mean(high),
                  "clip_ratio/region": token_mean(low | high)}
