@@ -297,7 +297,7 @@ def add_turn(c, sample=None) -> SimpleNamespace:
     return sample
 
 
-# ===== 3. Rewards and group-relative advantages: a group never leaves its rank ====================
+# ===== 3. Rewards and advantages: drawn [D G] -> trained [N = P G]; a group stays on its rank =====
 def score(funcs, rows, completion_ids, G: int, tokenizer, max_completion_length) -> torch.Tensor:
     """Rewards [D G, R] of every function on every completion, decoded here; None (unscored): NaN."""
     completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
@@ -449,11 +449,11 @@ CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; 
 
 
 def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
-    """How one step's loss is scaled (the defaults, dapo: global_count is every rank's loss tokens,
-    loss_scale the world size), so that the step's gradient is that of ONE loss over the global
-    batch, however it was cut into micro-batches and over however many ranks. Example, dapo on 2
-    ranks with 300 and 100 loss tokens: every micro-batch divides its sum by 400 (global_count)
-    and multiplies by 2 (loss_scale); DDP averages the ranks' gradients (/ 2): the token mean's.
+    """-> (global_count, loss_scale, micro_batch_weight): how one step's loss is scaled, so that
+    the step's gradient is that of ONE loss over the global batch, however it was cut into
+    micro-batches and over however many ranks. At the defaults (dapo) on 2 ranks with 300 and 100
+    loss tokens: every micro-batch divides its sum by 400 (global_count) and multiplies by 2
+    (loss_scale, the world size); DDP averages the ranks' gradients (/ 2): the token mean's.
 
     Returns, all three the same on every rank (one all_reduce):
     - global_count: what grpo_loss divides by (NORMALISERS' row), counted over the WHOLE global
@@ -480,7 +480,7 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
     normaliser = NORMALISERS[loss_type]
     if normaliser == "micro_batch":  # bnpo: no global count; each micro-batch weighs the same
         return None, micro_batch_weight, micro_batch_weight
-    count = tokens if normaliser == "tokens" else sequences
+    count = tokens if normaliser == "tokens" else sequences  # "sequences" and "constant"
     return max(count, 1), float(env.world), micro_batch_weight
 
 
@@ -686,9 +686,9 @@ def train_step(policy, optimizer, scheduler, batch, cfg, env, budget: int, ledge
     stats = dict(zip(sums, torch.stack(list(sums.values())).tolist()))  # one host sync for all
 
     # The canary, logged as sampled_gap: the push's check each step, before the update (both checks:
-    # ColocatedEngine's docstring). The trainer must score the tokens vLLM sampled as vLLM did.
-    # micro_batch_sums summed |old_logps - vllm_logps| over them, and counted them; only with the
-    # IS correction on, which asks vLLM for its logprobs.
+    # ColocatedEngine's docstring). The trainer must score the tokens vLLM sampled as vLLM did:
+    # gap = sum |old_logps - vllm_logps| / their count, over this rank's sampled tokens (summed in
+    # micro_batch_sums); check_gap takes the max over the ranks. Only with the IS correction on.
     if "sampled_gap_sum" in stats:
         gap = stats["sampled_gap_sum"] / max(stats["sampled_gap_tokens"], 1)
         stats["sampled_gap/rank_max"] = check_gap(gap, env, step, "the tokens vLLM sampled")
@@ -749,7 +749,7 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
     """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches.
-    A cut [start, end) closes when sequences start..end together pass the budget (or at the end)."""
+    A cut [start, end) closes before sequence end when adding it would pass the budget."""
     cuts = []
     start = 0
     for end in range(1, len(lengths) + 1):
@@ -849,8 +849,8 @@ class ColocatedEngine:
     gap| passes PARITY_TOLERANCE (below). Two gaps are checked:
     - the probe (probe_gap): engine and trainer score a held-out prompt and its answer after the
       first push (it proves the names map), after a push at the last step (no canary follows), and
-      after every push with the IS correction off (no canary). With it on, a mid-cycle eval's push
-      is not checked, unless at the last step.
+      after every push with the IS correction off (no canary). With it on, the push before a
+      mid-cycle eval is probed only at the last step (no canary checks it).
     - the canary (logged as sampled_gap; with the IS correction on): the trainer's and vLLM's
       logprobs of the tokens the engine sampled, both computed anyway, compared in train_step
       before the update. The push after step s is checked in step s + 1, which trains on the batch
@@ -886,7 +886,7 @@ class ColocatedEngine:
                 self.llm.wake_up(tags=["kv_cache"])
                 self.is_asleep = False
         self.probe_info = {}
-        probe_due = self.pushes == 0 or step == self.cfg.max_steps  # the docstring says why
+        probe_due = self.pushes == 0 or step == self.cfg.max_steps  # first push, or last step
         if probe_due or not self.cfg.vllm_importance_sampling_correction:
             with timed(ledger, "probe", self.env):
                 gap = probe_gap(self.llm, unwrap(policy), self.probe_ids, self.env)
@@ -1023,7 +1023,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         # a new generation batch every num_iterations steps (a resume starts with one)
         if batch is None or iterations_done == cfg.num_iterations:
 
-            # ======== generate (sections 1, 2): G completions per prompt, by the latest weights
+            # ======== generate (1, 2; the sleep: 6): G completions a prompt, by the latest weights
             positions, rows = rows_for_rollout(train_rows, data_position, env.rank,
                                                prompts_per_rollout, cfg.seed)
             data_position += env.world * len(rows)  # the prompts all ranks drew for this rollout
@@ -1095,8 +1095,8 @@ def run(cfg: Config, env, inputs, trackers=()):
             print0(log_line(step, cfg.max_steps, clock, record))
         if cfg.eval_steps and (step % cfg.eval_steps == 0 or is_last_step):
             with timed(record, "time/eval", env):
-                # mid-cycle (num_iterations > 1) the engine's weights are older: push, evaluate,
-                # and sleep again, for the trainer goes on with this batch
+                # Variant (num_iterations > 1): mid-cycle the engine's weights are older: push,
+                # evaluate, and sleep again, for the trainer goes on with this batch
                 mid_cycle = iterations_done < cfg.num_iterations
                 if mid_cycle:
                     engine.wake_and_push(trainer.policy, step, {})
