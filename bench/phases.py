@@ -146,6 +146,15 @@ def report(out_dir, first_step=3):
         spread = [max(v) - min(v) for v in ends.values() if len(v) == len(ranks) > 1]
         tail = f"  {statistics.median(spread):.3f} {max(spread):.3f}" if spread and name in PHASES else ""
         print(f"{name:16s} " + " ".join(f"{t:7.3f}" for t in per_rank) + tail)
+    for r, events in ranks.items():  # each rollout's engine steps and host counters (steps >= 1)
+        rollouts = [e for e in events if e["name"] == "rollout" and "engine_steps" in e]
+        if rollouts:
+            walls = [e["end"] - e["start"] for e in rollouts]
+            cpu_share = sum(e["thread_cpu"] for e in rollouts) / sum(walls)
+            print(f"rank {r} rollouts (s / median engine step ms): "
+                  + " ".join(f"{w:.2f}/{e['engine_step_p50'] * 1e3:.1f}" for w, e in zip(walls, rollouts))
+                  + f"; thread CPU / wall {cpu_share:.2f}, involuntary switches <="
+                  f" {max(e['involuntary_switches'] for e in rollouts)}, steal {sum(e['steal_s'] for e in rollouts):.2f} s")
     metrics = os.path.join(out_dir, "out", "metrics.jsonl")  # rank 0's ledger, if the run wrote there
     if os.path.exists(metrics):
         steps = [r for r in map(json.loads, open(metrics)) if "time/step" in r and r["step"] >= first_step]
