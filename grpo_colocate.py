@@ -1870,7 +1870,7 @@ def load_optimizer(path: str, policy, optimizer):
 
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
 # What a step pays (BENCHMARKS.md: "Sleep mode, decided by time"; "Four GPUs: the driver, ...")
-SLEEP_WAKE_SECONDS = 0.15  # a sleep and wakes, x ranks on the host (1: 0.13-0.29 s, 4: 0.58-0.73)
+SLEEP_WAKE_SECONDS = 0.15  # a sleep and wakes, x DDP ranks per host (1: 0.13-0.29 s, 4: 0.58-0.73)
 MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.04 s at 1.5B
 
 
@@ -1918,7 +1918,9 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
         asleep_cuts = math.ceil(batch_tokens / budget(asleep_room))
         awake_cuts = math.ceil(batch_tokens / max(budget(awake_room), 1))
         cost = (awake_cuts - asleep_cuts) * MICRO_BATCH_SECONDS
-        sleep_cost = SLEEP_WAKE_SECONDS * env.local_world  # the host's ranks free and map in turn
+        # a sleep and wakes cost more with more ranks on the host (they free and map memory in turn,
+        # measured under DDP); FSDP2 keeps one rank's price (its extra micro-batches gather more)
+        sleep_cost = SLEEP_WAKE_SECONDS * (1 if cfg.fsdp else env.local_world)
         sleep = awake_room < floor * per_token or cost >= sleep_cost
         why += f" (auto: awake would cut {awake_cuts} micro-batches, not {asleep_cuts})"
         if not sleep:

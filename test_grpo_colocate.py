@@ -835,12 +835,14 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     # fit there, so checkpointed: 4 x 1536 x 28 + 120 x 1536 = 356,352 bytes per token, 57,240 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
     assert (p.token_budget, p.checkpointing, p.sleep) == (57240, True, False)
-    # four ranks on the host: their sleeps and wakes take turns in the driver (4 x 0.15 s), so the
+    # four DDP ranks on the host: their sleeps and wakes take turns in the driver (4 x 0.15 s), so the
     # 5 micro-batches more of 128 completions (0.25 s) are the cheaper choice: awake
     env.local_world = 4
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=128)
     assert (tokens, checkpointing, sleep) == (14413, False, False)
     assert "off (auto: 12 micro-batches awake, 7 asleep: ~0.25s < a sleep and a wake, ~0.60s)" in why
+    # FSDP2 keeps one rank's price (its extra micro-batches all-gather and reduce-scatter the model)
+    assert plan(per_device_train_batch_size=128, fsdp=True)[2] is True
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
