@@ -749,7 +749,8 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
     """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches.
-    A cut [start, end) closes before sequence end when adding it would pass the budget."""
+    A cut [start, end) closes before sequence end when adding it would pass the budget, or at the
+    last sequence."""
     cuts = []
     start = 0
     for end in range(1, len(lengths) + 1):
@@ -980,7 +981,7 @@ def run(cfg: Config, env, inputs, trackers=()):
         start_outputs(cfg, state)
     # D: the prompts this rank draws per rollout (more than it trains on with dynamic sampling)
     prompts_per_rollout = math.ceil((cfg.completions_per_rank // cfg.num_generations)
-                              * cfg.dynamic_sampling_factor)
+                                    * cfg.dynamic_sampling_factor)
 
     # The engine first (it sizes its memory on an empty GPU), asleep (if the memory plan sleeps)
     # while the trainer loads; its probe is a held-out prompt with its answer

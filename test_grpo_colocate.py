@@ -796,8 +796,8 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     """Sleep mode auto decides from memory_plan's planned peak (parameters + a full token budget),
     never from a short first step: the engine stays awake only where 4,096 tokens (or your budget)
     fit beside it AND the micro-batches the smaller budget adds cost less than a sleep and a wake
-    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS per rank on the host); the budget is then sized for the room
-    beside it. 0.5B on 80 GiB."""
+    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS per DDP rank on the host); the budget is
+    then sized for the room beside it. 0.5B on 80 GiB."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
     engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_env's engine_bytes: 26 GiB

@@ -93,6 +93,18 @@ keep() {  # keep DIR NAME: a run's metrics and log, flat in $OUT
   done
 }
 latest() { ls -td outputs/bench/"$1"* | head -1; }
+phases_setup() {  # phases_setup DIR LOG DEADLINE CAP "N NAME ENV|- FLAGS": the 1.5B shape under bench/phases.py (ENV: A=1,B=2)
+  local n name envs flags left
+  read -r n name envs flags <<< "$5"; [ "$envs" = - ] && envs=
+  left=$(( $3 - SECONDS )); [ $left -lt 90 ] && { echo "== $name skipped" | tee -a "$2"; return; }
+  echo "== $name: $n GPUs ${envs//,/ } $flags (${SECONDS}s)" | tee -a "$2"
+  # shellcheck disable=SC2086
+  env ${envs//,/ } CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout -k 10 $(( left < $4 ? left : $4 )) \
+    python3 -m torch.distributed.run --standalone --nproc_per_node $n bench/phases.py $1/$name --model "$M15" "${W[@]}" \
+    $flags --output_dir $1/$name/out > $1/$name.log 2>&1 || echo "   FAILED: $(tail -3 $1/$name.log)" | tee -a "$2"
+  grep -h "^engine: \|^memory\|^step 8/" $1/$name.log | cut -c1-400 | tee -a "$2"
+  python3 bench/phases.py report $1/$name 3 2>&1 | tee -a "$2"
+}
 fp8_wheels() {  # vLLM's quantization="fp8" imports compressed_tensors (==0.17.0 for 0.26.0), not in the image: carry .stage/fp8
   ls .stage/fp8/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/fp8/*.whl
 }
@@ -335,14 +347,7 @@ s15)
       [ -n "${S15_SETUPS:-}" ] && IFS=';' read -ra setups <<< "$S15_SETUPS"  # e.g. "1 one;1 one-fsdp --fsdp"
       for setup in "${setups[@]}"; do
         read -r n name flags <<< "$setup"
-        left=$(( ${S15_DEADLINE:-580} - SECONDS )); [ $left -lt 90 ] && { echo "== $name skipped" | tee -a $T; continue; }
-        echo "== $name: $n GPUs $flags (${SECONDS}s)" | tee -a $T
-        # shellcheck disable=SC2086
-        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout -k 10 $(( left < 200 ? left : 200 )) \
-          python3 -m torch.distributed.run --standalone --nproc_per_node $n bench/phases.py $D/$name --model "$M15" "${W[@]}" $flags --output_dir $D/$name/out > $D/$name.log 2>&1 \
-          || echo "   FAILED: $(tail -3 $D/$name.log)" | tee -a $T
-        grep -h "^engine: \|^memory\|^step 8/" $D/$name.log | cut -c1-400 | tee -a $T
-        python3 bench/phases.py report $D/$name 3 2>&1 | tee -a $T
+        phases_setup $D $T ${S15_DEADLINE:-580} 200 "$n $name - $flags"
       done ;;
     gen)
       for setup in "1 256 32" "1 512 64" "2 tp2-512 32 --vllm_tensor_parallel_size 2"; do
@@ -475,25 +480,7 @@ ddp:200 4 -}" ;;
       [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 | tee -a $T ;;
     scale)
       IFS=';' read -ra setups <<< "${S21_SETUPS:-1 one -;4 ddp -}"
-      for setup in "${setups[@]}"; do
-        read -r n name envs flags <<< "$setup"; [ "$envs" = - ] && envs=
-        left=$(( ${S21_DEADLINE:-570} - SECONDS )); [ $left -lt 90 ] && { echo "== $name skipped" | tee -a $T; continue; }
-        echo "== $name: $n GPUs ${envs//,/ } $flags (${SECONDS}s)" | tee -a $T
-        # shellcheck disable=SC2086
-        env ${envs//,/ } CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout -k 10 $(( left < 220 ? left : 220 )) \
-          python3 -m torch.distributed.run --standalone --nproc_per_node $n bench/phases.py $D/$name --model "$M15" "${W[@]}" \
-          $flags --output_dir $D/$name/out > $D/$name.log 2>&1 || echo "   FAILED: $(tail -3 $D/$name.log)" | tee -a $T
-        grep -h "^engine: \|^step 8/" $D/$name.log | cut -c1-400 | tee -a $T
-        python3 bench/phases.py report $D/$name 3 2>&1 | tee -a $T
-        python3 - $D/$name <<'PY' | tee -a $T
-import glob, json, statistics, sys
-for f in sorted(glob.glob(sys.argv[1] + "/rank*.jsonl")):
-    ec = [e for e in map(json.loads, open(f)) if e["name"] == "empty_cache" and e["step"] >= 3 and "segments" in e]
-    if ec:
-        print(f"   {f.rsplit('/', 1)[1]}: empty_cache {statistics.median(e['end'] - e['start'] for e in ec):.3f} s,",
-              f"segments {statistics.median(e['segments'] for e in ec)}, cached {statistics.median(e['reserved_gib'] for e in ec):.1f} GiB")
-PY
-      done ;;
+      for setup in "${setups[@]}"; do phases_setup $D $T ${S21_DEADLINE:-570} 220 "$setup"; done ;;
     esac
     tar -czf "$OUT/s21.tar.gz" -C /tmp s21
   done ;;

@@ -146,6 +146,12 @@ def report(out_dir, first_step=3):
         spread = [max(v) - min(v) for v in ends.values() if len(v) == len(ranks) > 1]
         tail = f"  {statistics.median(spread):.3f} {max(spread):.3f}" if spread and name in PHASES else ""
         print(f"{name:16s} " + " ".join(f"{t:7.3f}" for t in per_rank) + tail)
+    for r, events in ranks.items():  # the empty_cache before a wake: what it gave back
+        freed = [e for e in events if e["name"] == "empty_cache" and e["step"] >= first_step and "segments" in e]
+        if freed:
+            print(f"rank {r} empty_cache before a wake: {statistics.median(e['end'] - e['start'] for e in freed):.3f} s,"
+                  f" {statistics.median(e['segments'] for e in freed)} segments,"
+                  f" {statistics.median(e['reserved_gib'] for e in freed):.1f} GiB cached (medians)")
     for r, events in ranks.items():  # each rollout's engine steps and host counters (steps >= 1)
         rollouts = [e for e in events if e["name"] == "rollout" and "engine_steps" in e]
         if rollouts:
