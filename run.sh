@@ -103,8 +103,9 @@ if [ "${1:-}" = test ]; then
   shift
   [ "${1:-}" = --slow ] && { shift; export GRPO_SLOW_TESTS=1; set -- -k world8 "$@"; }
   [ "${1:-}" = --gpu ] && { shift; set -- -m gpu "$@"; }
+  # a checkpoint of the embedded model with its optimizer is 1.6 GB: only a failed test's tmp_path is kept
   exec "$PY" -m pytest -x -q -o "markers=gpu: needs CUDA; bash run.sh test --gpu runs these alone" \
-    test_grpo_colocate.py "$@"
+    -o tmp_path_retention_policy=failed test_grpo_colocate.py "$@"
 fi
 
 if [ "${1:-}" = bench ] || [ "${1:-}" = compare ]; then
