@@ -78,7 +78,8 @@
 #             Results: $OUT/s20-STEP.txt (each run's median step, and per mode), s20-STEP.tar.gz (metrics and logs)
 #   s21 STEPS four GPUs (BENCHMARKS.md "Four GPUs"): ec (bench/empty_cache.py: empty_cache's cost after a DDP step,
 #             torch alone, no staging needed), make (the 1.5B shape), scale (the trainer under bench/phases.py, setups
-#             in S21_SETUPS with environment variables). Results: $OUT/s21-STEP.txt, s21.tar.gz
+#             in S21_SETUPS with environment variables; PHASES_PYSPY=/tmp/pyspy/bin/py-spy profiles rank 0's rollouts:
+#             carry .stage/pyspy, py-spy's wheel). Results: $OUT/s21-STEP.txt, s21.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -453,6 +454,7 @@ s21)  # four GPUs (BENCHMARKS.md "Four GPUs"): STEPS of
   # make   the 1.5B shape
   # scale  the trainer under bench/phases.py as s15 scale; S21_SETUPS="N NAME ENV|- FLAGS;..." (ENV: A=1,B=2)
   shift; D=/tmp/s21; mkdir -p $D
+  ls .stage/pyspy/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl
   for step in "$@"; do
     T=$OUT/s21-$step.txt; SECONDS=0; versions >> $T
     case $step in

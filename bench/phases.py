@@ -13,14 +13,19 @@ long the first rank to finish waits at the next collective); then rank 0's ledge
 slowest three) and the host's counters over it: the main thread's CPU time, its context switches and the machine's
 steal time (BENCHMARKS.md "Four GPUs: the driver, the host's CPU, and sleep mode").
 PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP; PHASES_PIN=C pins rank r to cores
-[r C, (r + 1) C).
+[r C, (r + 1) C). PHASES_PYSPY=PATH (the py-spy binary) samples each of rank 0's rollouts with py-spy (every thread,
+200 Hz, not pausing the process) into OUT_DIR/pyspy/rollout{K}.txt (K counts from 0); the report then sets the fastest rollout's
+functions against the slowest's (seconds of samples in each, self and inclusive): which host work grows when a
+rollout is slow.
 """
 import functools
 import gc
 import json
 import os
 import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -31,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as gcol  # noqa: E402
 
 EVENTS, STEP = [], [1]
+OUT, PYSPY = {}, []  # OUT["dir"]: this run's OUT_DIR; PYSPY: the py-spy processes started (stopped, not yet reaped)
+PYSPY_HZ = 200
 ENGINE_STEPS = []  # the seconds of each LLMEngine.step in the rollout under way
 PHASES = ("rollout", "score", "make_batch", "train_step", "push_weights", "probe_gap", "reduce_metrics")
 
@@ -71,6 +78,7 @@ def wrap(fn, name):
         if name == "rollout":
             ENGINE_STEPS.clear()
             before = host_counters()
+            pyspy_start()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             if name == "empty_cache":  # what it has to give back: the caching allocator's segments
@@ -85,9 +93,70 @@ def wrap(fn, name):
                 torch.cuda.synchronize()
             if before is not None:
                 extra = rollout_extra(before)
+                pyspy_stop()
             record(name(args, kwargs) if callable(name) else name, start, **extra)
             STEP[0] += name == "train_step"
     return timed_call
+
+
+def pyspy_start():
+    """py-spy samples this process until pyspy_stop, writing raw stacks ("frame;frame;... count" lines)."""
+    if not os.environ.get("PHASES_PYSPY") or os.environ.get("RANK", "0") != "0":
+        return
+    path = pyspy_path(OUT["dir"], sum(e["name"] == "rollout" for e in EVENTS))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    PYSPY.append(subprocess.Popen([os.environ["PHASES_PYSPY"], "record", "--pid", str(os.getpid()), "--rate",
+                                   str(PYSPY_HZ), "--threads", "--nonblocking", "--format", "raw", "-o", path],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pyspy_stop():  # py-spy writes its file on SIGINT; it is reaped at exit, so that no wait falls in a phase
+    if PYSPY and PYSPY[-1].poll() is None:
+        PYSPY[-1].send_signal(signal.SIGINT)
+
+
+def pyspy_path(out_dir, k):  # the k-th rollout's profile, k from 0
+    return os.path.join(out_dir, "pyspy", f"rollout{k}.txt")
+
+
+def pyspy_seconds(path):
+    """Seconds of samples per function in one profile: (self, inclusive), a function counted once per stack. A
+    stack reads "thread (ID): NAME;func (path/file.py:line);..."; a function is "func (file.py)", the thread
+    "thread NAME" (its inclusive time: the thread's)."""
+    own, total = defaultdict(float), defaultdict(float)
+    for line in open(path):
+        stack, _, count = line.rstrip().rpartition(" ")
+        thread, *calls = stack.split(";")
+        frames = ["thread " + thread.rpartition(": ")[2]]
+        for call in calls:
+            func, _, where = call.rpartition(" (")
+            frames.append(f"{func} ({where.rsplit('/', 1)[-1].split(':')[0]})")
+        own[frames[-1]] += int(count) / PYSPY_HZ
+        for frame in set(frames):
+            total[frame] += int(count) / PYSPY_HZ
+    return own, total
+
+
+def pyspy_report(out_dir, rollouts, first_step):
+    """rollouts: rank 0's rollout events in order. The fastest and the slowest profiled rollout from first_step,
+    function by function."""
+    have = {k: e["end"] - e["start"] for k, e in enumerate(rollouts)
+            if e["step"] >= first_step and os.path.exists(pyspy_path(out_dir, k))}
+    if len(have) < 2:
+        return
+    fast, slow = min(have, key=have.get), max(have, key=have.get)
+    (fast_own, fast_total), (slow_own, slow_total) = (pyspy_seconds(pyspy_path(out_dir, k)) for k in (fast, slow))
+    print(f"py-spy, rank 0: the fastest rollout (step {rollouts[fast]['step']}, {have[fast]:.2f} s) against the slowest"
+          f" (step {rollouts[slow]['step']}, {have[slow]:.2f} s); sampled seconds fast -> slow, the 12 that grew most")
+    threads = sorted(f for f in slow_total if f.startswith("thread "))
+    print("  threads: " + ", ".join(f"{t[7:]} {fast_total.get(t, 0):.2f} -> {slow_total[t]:.2f}" for t in threads))
+    # inclusive: below the call chain that holds the whole rollout (frames under 80% of the slowest's busiest frame)
+    chain = 0.8 * max(slow_total.values())
+    below = {f: t for f, t in slow_total.items() if t < chain and not f.startswith("thread ")}
+    for what, a, b in (("self", fast_own, slow_own), ("inclusive", fast_total, below)):
+        print(f"  {what}:")
+        for frame in sorted(b, key=lambda f: a.get(f, 0) - b[f])[:12]:
+            print(f"    {a.get(frame, 0):6.2f} -> {b[frame]:6.2f}  {frame[:150]}")
 
 
 def instrument():
@@ -161,6 +230,8 @@ def report(out_dir, first_step=3):
                   + " ".join(f"{w:.2f}/{e['engine_step_p50'] * 1e3:.1f}" for w, e in zip(walls, rollouts))
                   + f"; thread CPU / wall {cpu_share:.2f}, involuntary switches <="
                   f" {max(e['involuntary_switches'] for e in rollouts)}, steal {sum(e['steal_s'] for e in rollouts):.2f} s")
+            if r == 0:
+                pyspy_report(out_dir, [e for e in events if e["name"] == "rollout"], first_step)
     metrics = os.path.join(out_dir, "out", "metrics.jsonl")  # rank 0's ledger, if the run wrote there
     if os.path.exists(metrics):
         steps = [r for r in map(json.loads, open(metrics)) if "time/step" in r and r["step"] >= first_step]
@@ -179,9 +250,12 @@ if __name__ == "__main__":
         cores = int(os.environ["PHASES_PIN"])
         local = int(os.environ.get("LOCAL_RANK", 0))
         os.sched_setaffinity(0, range(local * cores, (local + 1) * cores))
+    OUT["dir"] = out_dir
     instrument()
     try:
         gcol.main(argv)
     finally:
+        for spy in PYSPY:
+            spy.wait(timeout=30)
         with open(os.path.join(out_dir, f"rank{os.environ.get('RANK', '0')}.jsonl"), "w") as f:
             f.writelines(json.dumps(e) + "\n" for e in EVENTS)
