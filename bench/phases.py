@@ -14,9 +14,9 @@ slowest three) and the host's counters over it: the main thread's CPU time, its 
 steal time (BENCHMARKS.md "Four GPUs: the driver, the host's CPU, and sleep mode").
 PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP; PHASES_PIN=C pins rank r to cores
 [r C, (r + 1) C). PHASES_PYSPY=PATH (the py-spy binary) samples each of rank 0's rollouts with py-spy (every thread,
-200 Hz, not pausing the process) into OUT_DIR/pyspy/rollout{K}.txt (K counts from 0); the report then sets the fastest rollout's
-functions against the slowest's (seconds of samples in each, self and inclusive): which host work grows when a
-rollout is slow.
+200 Hz, not pausing the process) into OUT_DIR/pyspy/rollout{K}.txt (K counts from 0); the report then sets the
+fastest rollout's functions against the slowest's (seconds of samples in each, self and inclusive): which host work
+grows when a rollout is slow.
 """
 import functools
 import gc
