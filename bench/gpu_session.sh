@@ -106,8 +106,11 @@ phases_setup() {  # phases_setup DIR LOG DEADLINE CAP "N NAME ENV|- FLAGS": the 
   grep -h "^engine: \|^memory\|^step 8/" $1/$name.log | cut -c1-400 | tee -a "$2"
   python3 bench/phases.py report $1/$name 3 2>&1 | tee -a "$2"
 }
+staged_wheels() {  # staged_wheels NAME TARGET: install the carried wheels of .stage/NAME, if carried
+  ls .stage/"$1"/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target "$2" .stage/"$1"/*.whl
+}
 fp8_wheels() {  # vLLM's quantization="fp8" imports compressed_tensors (==0.17.0 for 0.26.0), not in the image: carry .stage/fp8
-  ls .stage/fp8/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/fp8/*.whl
+  staged_wheels fp8 /tmp/site
 }
 versions() { python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__)" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; }
@@ -454,7 +457,7 @@ s21)  # four GPUs (BENCHMARKS.md "Four GPUs"): STEPS of
   # make   the 1.5B shape
   # scale  the trainer under bench/phases.py as s15 scale; S21_SETUPS="N NAME ENV|- FLAGS;..." (ENV: A=1,B=2)
   shift; D=/tmp/s21; mkdir -p $D
-  ls .stage/pyspy/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .stage/pyspy/*.whl
+  staged_wheels pyspy /tmp/pyspy  # its own folder: --target would not add bin/py-spy beside /tmp/site's bin/
   for step in "$@"; do
     T=$OUT/s21-$step.txt; SECONDS=0; versions >> $T
     case $step in
@@ -462,11 +465,11 @@ s21)  # four GPUs (BENCHMARKS.md "Four GPUs"): STEPS of
       while read -r mode n envs; do
         [ -z "$mode" ] && continue; [ "$envs" = - ] && envs=
         echo "== $mode x$n ${envs:-} (${SECONDS}s)" | tee -a $T
+        log=$D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log
         # shellcheck disable=SC2086
         env $envs CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout 150 python3 -m torch.distributed.run --standalone \
-          --nproc_per_node $n bench/empty_cache.py $mode 6 > $D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log 2>&1 \
-          || echo "   FAILED: $(tail -3 $D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log)" | tee -a $T
-        grep -h '^{' $D/ec-$mode-$n-${envs//[^A-Za-z0-9]/_}.log | python3 -c "
+          --nproc_per_node $n bench/empty_cache.py $mode 6 > $log 2>&1 || echo "   FAILED: $(tail -3 $log)" | tee -a $T
+        grep -h '^{' $log | python3 -c "
 import json, sys
 for r in map(json.loads, sys.stdin):
     print(f\"   rank {r['rank']}: empty_cache {r['median_s']:.3f} s ({r['segments_freed']} segments, {r['gib_freed']} GiB),\",
