@@ -1365,11 +1365,9 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=True) -> nn.Module:
     """The policy (or the frozen reference) on this rank: whole under DDP, sharded under FSDP2."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: each layer's norms and MLP compiled, elementwise ops fused (BENCHMARKS.md: train phase)
+    # CUDA: each decoder layer compiled, elementwise ops fused (BENCHMARKS.md: train phase)
     for layer in lm.get_decoder().layers if compiled(env.device) else ():
-        for name, module in layer.named_children():
-            if name == "mlp" or name.endswith("norm"):
-                module.compile(dynamic=True)
+        layer.compile(dynamic=True)
     # keep each layer's input, recompute the rest in backward (HF's switch needs train(): dropout)
     for layer in lm.get_decoder().layers if trainable and checkpointing else ():
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)

@@ -80,6 +80,10 @@
 #             torch alone, no staging needed), make (the 1.5B shape), scale (the trainer under bench/phases.py, setups
 #             in S21_SETUPS with environment variables; PHASES_PYSPY=/tmp/pyspy/bin/py-spy profiles rank 0's rollouts:
 #             carry .stage/pyspy, py-spy's wheel). Results: $OUT/s21-STEP.txt, s21.tar.gz
+#   s22 STEPS one GPU, after staging (BENCHMARKS.md "The train phase", "Against TRL 1.16"): STEPS of prec (bench/
+#             precision_bench.py on S22_SHAPES, the variants of S22_VARIANTS, each in a fresh process; S22_PROFILE: the
+#             variants profiled), cmp15 and cmpsmol (ours then TRL at its defaults, the 1.5B shape or SmolLM2, 256
+#             forced tokens, 8 steps; needs .stage/trl). Results: $OUT/s22-STEP.txt, s22.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -488,6 +492,22 @@ ddp:200 4 -}" ;;
       for setup in "${setups[@]}"; do phases_setup $D $T ${S21_DEADLINE:-570} 220 "$setup"; done ;;
     esac
     tar -czf "$OUT/s21.tar.gz" -C /tmp s21
+  done ;;
+s22)  # one GPU: the train phase's variants, then ours against TRL at 1.5B (BENCHMARKS.md "The train phase")
+  shift; D=/tmp/s22; mkdir -p $D
+  for step in "$@"; do
+    T=$OUT/s22-$step.txt; versions >> $T
+    case $step in
+    prec)
+      VARIANTS="${S22_VARIANTS:-main parts}" OUT=$D PROFILE="${S22_PROFILE:-}" \
+        python3 bench/precision_bench.py all ${S22_SHAPES:-qwen2.5-1.5b} 2>&1 | grep -v Warning | tee -a $T
+      cp $D/profile-* "$OUT"/ 2>/dev/null ;;
+    cmp15|cmpsmol)
+      staged_wheels trl /tmp/site; model=qwen2.5-1.5b-shape; [ $step = cmpsmol ] && model=smollm2-135m
+      TRL_FLAGS=--trl_defaults STANDALONE=0 timeout 560 bash run.sh compare $model > $D/$step.txt 2>&1
+      keep "$(latest ${model%-shape})" s22-$step; mv "$OUT"/s22-$step-* $D/; tail -12 $D/$step.txt | tee -a $T ;;
+    esac
+    tar -czf "$OUT/s22.tar.gz" -C /tmp s22
   done ;;
 s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
   D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"

@@ -13,16 +13,20 @@ of `main`| on the batch before any update (precision drift). The batch's vLLM lo
 
 A variant is `main` or words joined by '-', each changing one thing of `main`:
     main       the trainer as it is (the module is the working tree's grpo_colocate.py): fp32 parameters under bf16
-               autocast, gc.wrap_policy (each layer's norms and MLP compiled on CUDA), gc.TokenLogprobs with its
+               autocast, gc.wrap_policy (each decoder layer compiled whole on CUDA), gc.TokenLogprobs with its
                compiled kernels (gc.COMPILED)
     manual     TokenLogprobs' kernels eager (logit_stats, logit_grads not compiled)
     eager      the chunk before issue 24 instead (autograd through a checkpoint per chunk, kept in
                logprobs_bench.py as an OLD variant), eager
     ckpt       the same chunk compiled, as CUDA ran it before issue 24 (its graphs compile for about a minute)
-    noregions  the norms and MLP not compiled
+    noregions  no part of the layers compiled
+    parts      each layer's norms and MLP compiled, not the layer whole (the trainer at 9eacaa1)
     fsdp       FSDP2 on one rank: fp32 masters, bf16 compute parameters (MixedPrecisionPolicy), as --fsdp
     keep       with fsdp: reshard_after_forward=False (bf16 copies kept from forward to backward)
     bf16       plain bf16 parameters and AdamW, no masters (an upper bound for bf16 compute)
+    attn       with parts: each layer's self-attention compiled too (its projections' casts, RoPE, the attention's casts)
+    onecast    train_step inside one outer autocast context: autocast caches each fp32 weight's bf16 copy until the
+               outermost context exits, so the eager linears cast their weights once a step, not once a micro-batch
 BENCHMARKS.md "The train phase" names its rows by these variants. The fuller table of 906b95e (in git history) in
 these words (its `main` was the chunk before issue 24, its `manual` and `cchunk` the hand-written chunk that became
 TokenLogprobs, and no norms or MLP were compiled unless `regions`):
@@ -42,6 +46,7 @@ autocast, no compiled norms or MLP, sdpa attention). Not run on a GPU after the 
 autocast, compiled kernels and regions, varlen attention, FSDP2's bf16 compute, peak memory) and every timing.
 """
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -60,7 +65,7 @@ import grpo_colocate as gc  # noqa: E402
 import train_bench as tb  # noqa: E402 (SHAPES and the one-rank setup: the same batch and env as train_bench.py)
 from logprobs_bench import pre24_chunked_logprobs, pre24_logprobs_and_entropy  # noqa: E402
 
-WORDS = ("manual", "eager", "ckpt", "noregions", "fsdp", "keep", "bf16")
+WORDS = ("manual", "eager", "ckpt", "noregions", "fsdp", "keep", "bf16", "parts", "attn", "onecast")
 BATCH = (32, 8, 256)  # prompts, G, completion tokens
 
 
@@ -97,19 +102,23 @@ def use_chunk(words):
 
 
 def build(lm, words, env, cfg, checkpointing):
-    """The policy of a variant: gc.wrap_policy itself (main, bf16, fsdp), or its steps here, changed (noregions,
+    """The policy of a variant: gc.wrap_policy itself (main, bf16, fsdp), or its steps here, changed (noregions, parts, attn,
     keep)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if "bf16" in words:
         lm = lm.to(torch.bfloat16)
-    if not words & {"noregions", "keep"}:
+    if not words & {"noregions", "keep", "parts", "attn"}:
         return gc.wrap_policy(lm, env, dataclasses.replace(cfg, fsdp="fsdp" in words), checkpointing)
     policy = gc.Policy(lm)
     layers = lm.get_decoder().layers
+    regions = ("mlp", "self_attn") if "attn" in words else ("mlp",)
     for layer in layers if "noregions" not in words and gc.compiled(env.device) else ():
+        if not words & {"parts", "attn"}:  # keep: the trainer's whole layer
+            layer.compile(dynamic=True)
+            continue
         for name, module in layer.named_children():
-            if name == "mlp" or name.endswith("norm"):
+            if name in regions or name.endswith("norm"):
                 module.compile(dynamic=True)
     for layer in layers if checkpointing else ():
         layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
@@ -172,7 +181,8 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
     for step in range(steps):
         gc.cuda_sync(env)
         start = time.perf_counter()
-        stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, {}, step + 1)
+        with gc.autocast(env) if "onecast" in words else contextlib.nullcontext():
+            stats = gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, {}, step + 1)
         gc.cuda_sync(env)
         times.append(time.perf_counter() - start)
         if stats["skipped"]:
@@ -180,7 +190,8 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
     if profile:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with torch_profile(activities=activities) as prof:
+        with torch_profile(activities=activities) as prof, \
+                gc.autocast(env) if "onecast" in words else contextlib.nullcontext():
             gc.train_step(policy, optimizer, scheduler, batch, cfg, env, plan.token_budget, {}, steps + 1)
             gc.cuda_sync(env)
         with open(profile, "w") as f:
