@@ -1365,7 +1365,8 @@ def add_lora(lm: nn.Module, cfg: Config) -> nn.Module:
 def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=True) -> nn.Module:
     """The policy (or the frozen reference) on this rank: whole under DDP, sharded under FSDP2."""
     policy = Policy(lm, entropy_grad=trainable and cfg.entropy_coef != 0)
-    # CUDA: each decoder layer compiled, elementwise ops fused (BENCHMARKS.md: train phase)
+    # CUDA: each decoder layer compiled whole: its norms, residual adds, casts, RoPE and SwiGLU fuse
+    # into a few kernels between the matmuls (BENCHMARKS.md: each decoder layer compiled whole)
     for layer in lm.get_decoder().layers if compiled(env.device) else ():
         layer.compile(dynamic=True)
     # keep each layer's input, recompute the rest in backward (HF's switch needs train(): dropout)

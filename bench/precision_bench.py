@@ -24,7 +24,7 @@ A variant is `main` or words joined by '-', each changing one thing of `main`:
     fsdp       FSDP2 on one rank: fp32 masters, bf16 compute parameters (MixedPrecisionPolicy), as --fsdp
     keep       with fsdp: reshard_after_forward=False (bf16 copies kept from forward to backward)
     bf16       plain bf16 parameters and AdamW, no masters (an upper bound for bf16 compute)
-    attn       with parts: each layer's self-attention compiled too (its projections' casts, RoPE, the attention's casts)
+    attn       with parts: each layer's self-attention compiled too (projections' casts, RoPE, the attention's casts)
     onecast    train_step inside one outer autocast context: autocast caches each fp32 weight's bf16 copy until the
                outermost context exits, so the eager linears cast their weights once a step, not once a micro-batch
 BENCHMARKS.md "The train phase" names its rows by these variants. The fuller table of 906b95e (in git history) in
@@ -102,8 +102,8 @@ def use_chunk(words):
 
 
 def build(lm, words, env, cfg, checkpointing):
-    """The policy of a variant: gc.wrap_policy itself (main, bf16, fsdp), or its steps here, changed (noregions, parts, attn,
-    keep)."""
+    """The policy of a variant: gc.wrap_policy itself (main, bf16, fsdp), or its steps here, changed (noregions,
+    parts, attn, keep)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if "bf16" in words:
