@@ -80,10 +80,10 @@
 #             torch alone, no staging needed), make (the 1.5B shape), scale (the trainer under bench/phases.py, setups
 #             in S21_SETUPS with environment variables; PHASES_PYSPY=/tmp/pyspy/bin/py-spy profiles rank 0's rollouts:
 #             carry .stage/pyspy, py-spy's wheel). Results: $OUT/s21-STEP.txt, s21.tar.gz
-#   s22 STEPS one GPU, after staging (BENCHMARKS.md "The train phase", "Against TRL 1.16"): STEPS of prec (bench/
-#             precision_bench.py on S22_SHAPES, the variants of S22_VARIANTS, each in a fresh process; S22_PROFILE: the
-#             variants profiled), cmp15 and cmpsmol (ours then TRL at its defaults, the 1.5B shape or SmolLM2, 256
-#             forced tokens, 8 steps; needs .stage/trl). Results: $OUT/s22-STEP.txt, s22.tar.gz
+#   s22 STEPS one GPU, after staging (BENCHMARKS.md "One GPU: each decoder layer compiled whole"): STEPS of
+#             prec (bench/precision_bench.py on S22_SHAPES, the variants of S22_VARIANTS, each in a fresh process;
+#             S22_PROFILE: the variants profiled), cmp15 and cmpsmol (ours then TRL at its defaults, the 1.5B shape or
+#             SmolLM2, 256 forced tokens, 8 steps; needs .stage/trl). Results: $OUT/s22-STEP.txt, s22.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -493,7 +493,7 @@ ddp:200 4 -}" ;;
     esac
     tar -czf "$OUT/s21.tar.gz" -C /tmp s21
   done ;;
-s22)  # one GPU: the train phase's variants, then ours against TRL at 1.5B (BENCHMARKS.md "The train phase")
+s22)  # one GPU: the train phase's variants, ours against TRL (BENCHMARKS.md "One GPU: each decoder layer ...")
   shift; D=/tmp/s22; mkdir -p $D
   for step in "$@"; do
     T=$OUT/s22-$step.txt; versions >> $T

@@ -114,7 +114,7 @@ def build(lm, words, env, cfg, checkpointing):
     layers = lm.get_decoder().layers
     regions = ("mlp", "self_attn") if "attn" in words else ("mlp",)
     for layer in layers if "noregions" not in words and gc.compiled(env.device) else ():
-        if not words & {"parts", "attn"}:  # keep: the trainer's whole layer
+        if not words & {"parts", "attn"}:  # as the trainer: each layer whole
             layer.compile(dynamic=True)
             continue
         for name, module in layer.named_children():
