@@ -82,8 +82,9 @@
 #             carry .stage/pyspy, py-spy's wheel). Results: $OUT/s21-STEP.txt, s21.tar.gz
 #   s22 STEPS one GPU, after staging (BENCHMARKS.md "One GPU: each decoder layer compiled whole"): STEPS of
 #             prec (bench/precision_bench.py on S22_SHAPES, the variants of S22_VARIANTS, each in a fresh process;
-#             S22_PROFILE: the variants profiled), cmp15 and cmpsmol (ours then TRL at its defaults, the 1.5B shape or
-#             SmolLM2, 256 forced tokens, 8 steps; needs .stage/trl). Results: $OUT/s22-STEP.txt, s22.tar.gz
+#             S22_PROFILE: the variants profiled), budget (main on the 1.5B shape at the token budgets S22_BUDGETS),
+#             cmp15 and cmpsmol (ours then TRL at its defaults, the 1.5B shape or SmolLM2, 256 forced tokens, 8 steps;
+#             needs .stage/trl). Results: $OUT/s22-STEP.txt, s22.tar.gz
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHON=python3 \
@@ -502,6 +503,11 @@ s22)  # one GPU: the train phase's variants, ours against TRL (BENCHMARKS.md "On
       VARIANTS="${S22_VARIANTS:-main parts}" OUT=$D PROFILE="${S22_PROFILE:-}" \
         python3 bench/precision_bench.py all ${S22_SHAPES:-qwen2.5-1.5b} 2>&1 | grep -v Warning | tee -a $T
       cp $D/profile-* "$OUT"/ 2>/dev/null ;;
+    budget)  # the 1.5B train phase at larger micro-batches than the memory plan's (what memory_plan's refit would buy)
+      for b in ${S22_BUDGETS:-9216 13824 18432}; do
+        echo "== budget $b" | tee -a $T
+        PREC_BUDGET=$b VARIANTS=main OUT=$D python3 bench/precision_bench.py all qwen2.5-1.5b 2>&1 | grep -v Warning | tee -a $T
+      done ;;
     cmp15|cmpsmol)
       staged_wheels trl /tmp/site; model=qwen2.5-1.5b-shape; [ $step = cmpsmol ] && model=smollm2-135m
       TRL_FLAGS=--trl_defaults STANDALONE=0 timeout 560 bash run.sh compare $model > $D/$step.txt 2>&1

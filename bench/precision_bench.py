@@ -3,6 +3,7 @@
     python bench/precision_bench.py all [SHAPES...]        # the variants of $VARIANTS, each in a fresh process
     python bench/precision_bench.py one SHAPE VARIANT [--profile FILE]
     python bench/precision_bench.py check                  # today's hand-written chunk vs autograd (gradients)
+    PREC_BUDGET=TOKENS ...                                 # micro-batches of TOKENS, not the memory plan's budget
 
 One rank's generation batch as train_step sees it: 32 prompts x G 8, prompts of 30-60 tokens, 256-token completions,
 random weights of the shape, grpo_colocate's defaults (dapo, IS correction, the memory plan's token budget and
@@ -162,6 +163,8 @@ def one(shape, variant, profile=None, steps=6, batch=BATCH):
     cuda = env.device.type == "cuda"
     lm = tb.random_lm(gc, shape, env)
     plan = gc.memory_plan(cfg, env, lm.config, sum(p.numel() for p in lm.parameters()))
+    if os.environ.get("PREC_BUDGET"):  # a micro-batch's tokens other than the plan's (fewer, larger micro-batches)
+        plan.token_budget = int(os.environ["PREC_BUDGET"])
     policy = build(lm, words, env, cfg, plan.checkpointing)
     lm = gc.unwrap(policy).lm
     optimizer, scheduler = tb.optimizer_and_scheduler(cfg, env, policy)
