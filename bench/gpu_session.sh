@@ -82,7 +82,7 @@
 #             carry .stage/pyspy, py-spy's wheel). Results: $OUT/s21-STEP.txt, s21.tar.gz
 #   s22 STEPS one GPU, after staging (BENCHMARKS.md "One GPU: each decoder layer compiled whole"): STEPS of
 #             prec (bench/precision_bench.py on S22_SHAPES, the variants of S22_VARIANTS, each in a fresh process;
-#             S22_PROFILE: the variants profiled), budget (main on the 1.5B shape at the token budgets S22_BUDGETS),
+#             S22_PROFILE: the variants profiled; PREC_BUDGET=TOKENS: micro-batches other than the memory plan's),
 #             cmp15 and cmpsmol (ours then TRL at its defaults, the 1.5B shape or SmolLM2, 256 forced tokens, 8 steps;
 #             needs .stage/trl). Results: $OUT/s22-STEP.txt, s22.tar.gz
 set -uo pipefail
@@ -111,11 +111,10 @@ phases_setup() {  # phases_setup DIR LOG DEADLINE CAP "N NAME ENV|- FLAGS": the 
   grep -h "^engine: \|^memory\|^step 8/" $1/$name.log | cut -c1-400 | tee -a "$2"
   python3 bench/phases.py report $1/$name 3 2>&1 | tee -a "$2"
 }
-staged_wheels() {  # staged_wheels NAME TARGET: install the carried wheels of .stage/NAME, if carried
+# staged_wheels NAME TARGET: install the carried wheels of .stage/NAME, if carried (trl: TRL 1.16's six; fp8:
+# compressed-tensors 0.17.0, which vLLM 0.26's quantization="fp8" imports; pyspy: py-spy)
+staged_wheels() {
   ls .stage/"$1"/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --target "$2" .stage/"$1"/*.whl
-}
-fp8_wheels() {  # vLLM's quantization="fp8" imports compressed_tensors (==0.17.0 for 0.26.0), not in the image: carry .stage/fp8
-  staged_wheels fp8 /tmp/site
 }
 versions() { python3 -c "import vllm, torch, transformers; print('vllm', vllm.__version__, 'torch', torch.__version__, \
 'transformers', transformers.__version__)" 2>/dev/null; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; }
@@ -243,7 +242,7 @@ s10)
 s11)
   # issues 25, 27 and 30 on the GPU, one call after staging: the tests marked gpu; run.sh's GPU default run for 6 steps
   # saved at 3 (what a newcomer's log shows), then resumed from checkpoint-3 (a resume's step 1)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/pyt/*.whl > /dev/null 2>&1
+  staged_wheels pyt /tmp/site > /dev/null 2>&1
   versions | tee "$OUT/versions.txt"
   timeout "${T_TESTS:-300}" bash run.sh test --gpu -v > "$OUT/s11-gpu-tests.txt" 2>&1; tail -4 "$OUT/s11-gpu-tests.txt"
   D=(--model "$SMOL" --max_steps 6 --eval_steps 3 --num_eval 64)
@@ -284,7 +283,7 @@ s12)
       --output_dir outputs/s12-learn > "$OUT/s12-learn.log" 2>&1
     cp outputs/s12-learn/metrics.jsonl "$OUT/s12-learn.jsonl"; grep -c "" "$OUT/s12-learn.log"; grep "eval at\|^step 20" "$OUT/s12-learn.log" | cut -c1-250 ;;
   smol)
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
+    staged_wheels trl /tmp/site
     CUDA_VISIBLE_DEVICES=0 NPROC=1 TRL_FLAGS=--trl_defaults timeout 400 bash run.sh compare smollm2-135m \
       > "$OUT/s12-smol.txt" 2>&1; keep "$(latest smollm2-135m)" s12-smol; tail -6 "$OUT/s12-smol.txt" ;;
   scale)
@@ -303,7 +302,7 @@ s13)
     [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 ;;
   gen)
     D=/tmp/s13-gen; rm -rf $D; mkdir -p $D
-    fp8_wheels
+    staged_wheels fp8 /tmp/site
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee $D/gpu.txt
     [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > $D/make15.txt 2>&1
     [ -f $D/make15.txt ] && tail -1 $D/make15.txt; echo "== ${SECONDS}s: jobs start"
@@ -385,7 +384,7 @@ s15)
     tar -czf "$OUT/s15-$step.tar.gz" --exclude=out/checkpoint-* -C /tmp s15-$step; echo "== s15 $step: ${SECONDS}s" | tee -a $T
   done ;;
 s16)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
+  staged_wheels trl /tmp/site
   versions | tee "$OUT/s16.txt"; varlen_data; D=/tmp/s16; rm -rf $D; mkdir -p $D
   L=("${LEARN[@]}" --seed 42)
   export NPROC=1 TRL_FLAGS=--trl_defaults
@@ -405,7 +404,7 @@ s16)
     | tee -a "$OUT/s16.txt"
   tar -czf "$OUT/s16.tar.gz" --exclude='*/checkpoint-*' -C /tmp s16 ;;
 s19)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl
+  staged_wheels trl /tmp/site
   D=/tmp/s19-$2; rm -rf $D; mkdir -p $D; T="$OUT/s19-$2.txt"; versions | tee $T
   L=("${LEARN[@]}" --seed 42)
   ours() { timeout 280 python3 -m torch.distributed.run --standalone --nproc_per_node 1 grpo_colocate.py "${L[@]}" \
@@ -503,11 +502,6 @@ s22)  # one GPU: the train phase's variants, ours against TRL (BENCHMARKS.md "On
       VARIANTS="${S22_VARIANTS:-main parts}" OUT=$D PROFILE="${S22_PROFILE:-}" \
         python3 bench/precision_bench.py all ${S22_SHAPES:-qwen2.5-1.5b} 2>&1 | grep -v Warning | tee -a $T
       cp $D/profile-* "$OUT"/ 2>/dev/null ;;
-    budget)  # the 1.5B train phase at larger micro-batches than the memory plan's (what memory_plan's refit would buy)
-      for b in ${S22_BUDGETS:-9216 13824 18432}; do
-        echo "== budget $b" | tee -a $T
-        PREC_BUDGET=$b VARIANTS=main OUT=$D python3 bench/precision_bench.py all qwen2.5-1.5b 2>&1 | grep -v Warning | tee -a $T
-      done ;;
     cmp15|cmpsmol)
       staged_wheels trl /tmp/site; model=qwen2.5-1.5b-shape; [ $step = cmpsmol ] && model=smollm2-135m
       TRL_FLAGS=--trl_defaults STANDALONE=0 timeout 560 bash run.sh compare $model > $D/$step.txt 2>&1
@@ -517,7 +511,7 @@ s22)  # one GPU: the train phase's variants, ours against TRL (BENCHMARKS.md "On
   done ;;
 s17)  # 4 GPUs at once: three gen_settings drivers (one GPU each) and run.sh's 20-step learning run on the fourth
   D=/tmp/s17; rm -rf $D; mkdir -p $D; versions | tee "$OUT/s17.txt"
-  fp8_wheels
+  staged_wheels fp8 /tmp/site
   [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" > $D/make15.txt 2>&1
   gen() {  # gen GPU JOBS
     CUDA_VISIBLE_DEVICES=$1 python3 bench/gen_settings.py run --model smol="$SMOL" --model q15="$M15" --jobs "$2" \
@@ -555,7 +549,7 @@ trl15)
     cp outputs/trl15-$w/metrics.jsonl "$OUT/trl15-$w.jsonl"
   done ;;
 install)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .stage/trl/*.whl && python3 -c "import trl; print('trl', trl.__version__)"
+  staged_wheels trl /tmp/site && python3 -c "import trl; print('trl', trl.__version__)"
   versions ;;
 checks)
   python3 bench/packed_check.py 2>&1 | tee "$OUT/packed_check.txt" | tail -20
