@@ -590,7 +590,7 @@ class Policy(nn.Module):
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
         logp_t = log_softmax(logits_{t-1} / temperature)[token_t]     (logits: lm_head(hidden))
     (with --top_k / --top_p: the log_softmax over the tokens vLLM's sampler could draw). Written so,
-    each [L, V] fp32 tensor of a micro-batch takes 5.9 GB at 1.5B (9,664 x 151,936 x 4 B), and
+    each [L, V] fp32 tensor of a micro-batch takes 8.5 GB at 1.5B (14,042 x 151,936 x 4 B), and
     autograd keeps several; TokenLogprobs (appendix H) computes it a chunk of tokens at a time."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
@@ -1877,13 +1877,15 @@ MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.04
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
     """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
     peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
-    120 H layers bytes on CUDA (1.5B: 9,664 tokens, 46 GiB), 180 fp32 on a CPU (SmolLM2: 2.9 MB)."""
+    80 H layers bytes on CUDA (1.5B, 80 GiB: 14,042 tokens, 45 GiB), 180 fp32 on a CPU (SmolLM2:
+    3.1 MB)."""
     hidden = model_config.hidden_size
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
 
-    # bytes: activations per token (plain, or checkpointed), and the trainer's state per parameter
-    plain = (120 if cuda else 180) * hidden * layers  # bytes per token
+    # bytes: activations per token (plain, or checkpointed), and the trainer's state per parameter.
+    # CUDA's 80 H layers: the compiled layers' peak, less the state, was ~70 at 1.5B, ~40 at 135M
+    plain = (80 if cuda else 180) * hidden * layers  # bytes per token
     checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
     per_param = (4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)

@@ -734,8 +734,8 @@ GiB = 1 << 30
 
 def test_memory_plan(monkeypatch):
     """memory_plan's rules: per parameter 16 bytes (+4 for beta's reference; LoRA 4; / world
-    under FSDP2), room = 0.85 x the GPU - those, 120 x hidden x layers bytes per token
-    (checkpointed: 4 x hidden x layers + 120 x hidden), checkpointing where your budget, or 4,096
+    under FSDP2), room = 0.85 x the GPU - those, 80 x hidden x layers bytes per token
+    (checkpointed: 4 x hidden x layers + 80 x hidden), checkpointing where your budget, or 4,096
     tokens, would not fit; a CPU plans in its share of the RAM beside an engine that stays awake."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))  # an 80 GiB GPU
     gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)  # engine_bytes 0 for now
@@ -744,33 +744,33 @@ def test_memory_plan(monkeypatch):
         p = gc.memory_plan(gc.Config(**flags), env, shape, params)
         return p.token_budget, p.checkpointing, p.sleep
     # room = 0.85 x 80 GiB - 16 x 1,543,714,304 = 73,014,444,032 - 24,699,428,864 = 48,315,015,168 bytes;
-    # 120 x 1536 x 28 = 5,160,960 bytes per token: 9,361 tokens. An engine of 0 bytes leaves as much
+    # 80 x 1536 x 28 = 3,440,640 bytes per token: 14,042 tokens. An engine of 0 bytes leaves as much
     # room awake: as many micro-batches, so the engine stays awake
     room = 0.85 * 80 * GiB - 16 * N15
-    assert plan() == (int(room // (120 * 1536 * 28)), False, False) == (9361, False, False)
-    assert plan(max_tokens_per_microbatch=8192) == (8192, False, False)  # 42.3 GB fit
-    assert plan(max_tokens_per_microbatch=16384) == (16384, True, False)  # 84.6 GB do not
+    assert plan() == (int(room // (80 * 1536 * 28)), False, False) == (14042, False, False)
+    assert plan(max_tokens_per_microbatch=8192) == (8192, False, False)  # 28.2 GB fit
+    assert plan(max_tokens_per_microbatch=16384) == (16384, True, False)  # 56.4 GB do not
     # + an fp32 reference, 20 bytes per parameter: 73,014,444,032 - 30,874,286,080 = 42,140,157,952 bytes
-    assert plan(beta=0.04) == (8165, False, False)
-    # LoRA, 4 bytes per parameter (the frozen fp32 base): 66,839,586,816 bytes // 5,160,960 = 12,950
-    assert plan(use_peft=True) == (12950, False, False)
-    # an engine of 8 GiB: 39,725,080,576 bytes beside it, 7,697 tokens. A batch of 128 x (256 + 256)
-    # = 65,536 tokens takes ceil(65,536 / 7,697) = 9 micro-batches awake, ceil(65,536 / 9,361) = 8
+    assert plan(beta=0.04) == (12247, False, False)
+    # LoRA, 4 bytes per parameter (the frozen fp32 base): 66,839,586,816 bytes // 3,440,640 = 19,426
+    assert plan(use_peft=True) == (19426, False, False)
+    # an engine of 8 GiB: 39,725,080,576 bytes beside it, 11,545 tokens. A batch of 128 x (256 + 256)
+    # = 65,536 tokens takes ceil(65,536 / 11,545) = 6 micro-batches awake, ceil(65,536 / 14,042) = 5
     # asleep: one more (0.05 s) costs less than a sleep and a wake (0.15 s), so auto stays awake
     gpu.engine_bytes = 8 * GiB
-    assert plan() == (7697, False, False)
-    assert plan(vllm_enable_sleep_mode="true") == (9361, False, True)
-    assert plan(vllm_enable_sleep_mode="false") == (7697, False, False)  # awake: the room beside it
+    assert plan() == (11545, False, False)
+    assert plan(vllm_enable_sleep_mode="true") == (14042, False, True)
+    assert plan(vllm_enable_sleep_mode="false") == (11545, False, False)  # awake: the room beside it
     assert plan(vllm_enable_sleep_mode="false", gradient_checkpointing="false",
                 max_tokens_per_microbatch=16384) == (16384, False, False)
     # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7,615,616,512 / 2 = 60.9 GB leave 12,089,511,936
-    # bytes, < 4,096 x 120 x 3584 x 28 = 49.3 GB: checkpointed, 4 x 3584 x 28 + 120 x 3584 = 831,488
-    # bytes per token: 14,539 tokens
+    # bytes, < 4,096 x 80 x 3584 x 28 = 32.9 GB: checkpointed, 4 x 3584 x 28 + 80 x 3584 = 688,128
+    # bytes per token: 17,568 tokens
     qwen7, n7 = SimpleNamespace(hidden_size=3584, num_hidden_layers=28), 7_615_616_512
     fsdp2 = cpu_env(device=SimpleNamespace(type="cuda"), world=2, local_world=2, dtype=torch.bfloat16)
     room7 = 0.85 * 80 * GiB - 8 * n7
-    assert plan(fsdp2, qwen7, n7, fsdp=True) == (int(room7 // (4 * 3584 * 28 + 120 * 3584)), True, False)
-    assert plan(fsdp2, qwen7, n7, fsdp=True)[0] == 14539
+    assert plan(fsdp2, qwen7, n7, fsdp=True) == (int(room7 // (4 * 3584 * 28 + 80 * 3584)), True, False)
+    assert plan(fsdp2, qwen7, n7, fsdp=True)[0] == 17568
     # on one GPU the 7B's 122 GB of weights, gradients and AdamW leave no room: refused by flag
     with pytest.raises(gc.ConfigError, match="^--max_completion_length: a sequence of 512 tokens needs"):
         plan(gpu, qwen7, n7)
@@ -802,9 +802,9 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
     engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_env's engine_bytes: 26 GiB
     env = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, engine_bytes=engine)
-    per_token = 120 * 896 * 24  # 2,580,480 bytes
-    asleep = 0.85 * 80 * GiB - 16 * n05  # 65,109,919,744 bytes: 25,231 tokens
-    awake = asleep - engine  # 37,192,632,320 bytes: 14,413 tokens
+    per_token = 80 * 896 * 24  # 1,720,320 bytes
+    asleep = 0.85 * 80 * GiB - 16 * n05  # 65,109,919,744 bytes: 37,847 tokens
+    awake = asleep - engine  # 37,192,632,320 bytes: 21,619 tokens
 
     def plan(shape=qwen05, params=n05, **flags):  # (tokens, checkpointing, sleep, why)
         cfg = gc.Config(**{"num_generations": 8, "gradient_accumulation_steps": 1,
@@ -812,37 +812,44 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
         p = gc.memory_plan(cfg, env, shape, params)
         return p.token_budget, p.checkpointing, p.sleep, p.why
     # 8 completions, <= 8 x 1,280 = 10,240 tokens: 1 micro-batch awake as asleep, so it stays awake
-    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (14413, False, False)
-    assert 16 * n05 + 14413 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
-    # 32 completions: 40,960 tokens, ceil(40,960 / 14,413) = 3 micro-batches awake, ceil(40,960 /
-    # 25,231) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
-    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=32)
-    assert (tokens, checkpointing, sleep) == (14413, False, False)
+    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (21619, False, False)
+    assert 16 * n05 + 21619 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
+    # 48 completions: 61,440 tokens, ceil(61,440 / 21,619) = 3 micro-batches awake, ceil(61,440 /
+    # 37,847) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=48)
+    assert (tokens, checkpointing, sleep) == (21619, False, False)
     assert "off (auto: 3 micro-batches awake, 2 asleep: ~0.05s < a sleep and a wake" in why
-    # 128 completions: 163,840 tokens, 12 micro-batches awake, 7 asleep: 5 more (0.25 s) cost more
-    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=128)
-    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (25231, False, True)
-    assert "awake would cut 12 micro-batches, not 7" in why
-    # a budget of yours that fits only while the engine sleeps (20,000 x 2.58 MB = 51.6 GB > 37.2 GB)
+    # 160 completions: 204,800 tokens, 10 micro-batches awake, 6 asleep: 4 more (0.20 s) cost more
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=160)
+    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (37847, False, True)
+    assert "awake would cut 10 micro-batches, not 6" in why
+    # a budget of yours that fits only while the engine sleeps (30,000 x 1.72 MB = 51.6 GB > 37.2 GB)
     # keeps it asleep; so does "true"
-    assert plan(per_device_train_batch_size=8, max_tokens_per_microbatch=20_000)[:3] == (20_000, False, True)
-    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (25231, False, True)
-    # the Qwen2.5-1.5B shape: 48,315,015,168 - 27,917,287,424 = 20,397,727,744 bytes beside the engine,
-    # under 4,096 x 5,160,960 = 21,139,292,160: it sleeps (as on an H100)
-    assert gc.memory_plan(gc.Config(), env, QWEN15, N15).sleep is True
-    assert gc.memory_plan(gc.Config(), env, QWEN15, N15).token_budget == 9361
-    # --vllm_enable_sleep_mode false: the room beside the engine, however small; 4,096 tokens do not
-    # fit there, so checkpointed: 4 x 1536 x 28 + 120 x 1536 = 356,352 bytes per token, 57,240 tokens
+    assert plan(per_device_train_batch_size=8, max_tokens_per_microbatch=30_000)[:3] == (30_000, False, True)
+    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (37847, False, True)
+    # the Qwen2.5-1.5B shape at the defaults, 128 x (256 + 256) = 65,536 tokens: 48,315,015,168 -
+    # 27,917,287,424 = 20,397,727,744 bytes beside the engine, 5,928 tokens, 12 micro-batches; 5 asleep
+    # (14,042 tokens): 7 more (0.35 s) cost more than a sleep and a wake, so it sleeps (as on an H100)
+    p = gc.memory_plan(gc.Config(), env, QWEN15, N15)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (14042, False, True)
+    assert "awake would cut 12 micro-batches, not 5" in p.why
+    # --vllm_enable_sleep_mode false: the room beside the engine, however small. An engine of 0.4 x 80
+    # GiB + 2 GiB leaves 11,807,793,152 bytes, under 4,096 x 3,440,640 = 14,092,861,440: checkpointed,
+    # 4 x 1536 x 28 + 80 x 1536 = 294,912 bytes per token, 40,038 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (57240, True, False)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (5928, False, False)
+    env.engine_bytes = int(0.4 * 80 * GiB) + 2 * GiB
+    p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (40038, True, False)
+    env.engine_bytes = engine
     # four DDP ranks on the host: their sleeps and wakes take turns in the driver (4 x 0.15 s), so the
-    # 5 micro-batches more of 128 completions (0.25 s) are the cheaper choice: awake
+    # 4 micro-batches more of 160 completions (0.20 s) are the cheaper choice: awake
     env.local_world = 4
-    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=128)
-    assert (tokens, checkpointing, sleep) == (14413, False, False)
-    assert "off (auto: 12 micro-batches awake, 7 asleep: ~0.25s < a sleep and a wake, ~0.60s)" in why
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=160)
+    assert (tokens, checkpointing, sleep) == (21619, False, False)
+    assert "off (auto: 10 micro-batches awake, 6 asleep: ~0.20s < a sleep and a wake, ~0.60s)" in why
     # FSDP2 keeps one rank's price (its extra micro-batches all-gather and reduce-scatter the model)
-    assert plan(per_device_train_batch_size=128, fsdp=True)[2] is True
+    assert plan(per_device_train_batch_size=160, fsdp=True)[2] is True
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
@@ -3363,16 +3370,16 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
 
 def test_memory_plan_floors_at_the_longest_sequence(monkeypatch):
     """Issue 34 item 1: with 16,384-token completions at 1.5B on 80 GiB, one sequence of 16,640
-    tokens needs 85.9 GB of activations without checkpointing, more than the 48.3 GB of room: the
+    tokens needs 57.2 GB of activations without checkpointing, more than the 48.3 GB of room: the
     plan checkpoints (the floor is the longest sequence, not 4,096 tokens) instead of planning a
     16,896-token budget past memory."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
     room = 0.85 * 80 * GiB - 16 * N15  # 48,315,015,168 bytes
     plan = gc.memory_plan(gc.Config(max_completion_length=16384), gpu, QWEN15, N15)
-    per_token = 4 * 1536 * 28 + 120 * 1536  # checkpointed: 356,352 bytes
-    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 135_582
-    assert plan.token_budget * per_token <= room and 16640 * 120 * 1536 * 28 > room
+    per_token = 4 * 1536 * 28 + 80 * 1536  # checkpointed: 294,912 bytes
+    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 163_828
+    assert plan.token_budget * per_token <= room and 16640 * 80 * 1536 * 28 > room
 
 
 def test_filler_groups_do_not_count_as_sequences(monkeypatch):

@@ -6,10 +6,11 @@
 The trainer runs unchanged; its functions are wrapped (a CUDA synchronise at both ends) and each call is written to
 OUT_DIR/rank{R}.jsonl as {step, name, start, end} (wall clock, shared by the ranks of one host): the phases (rollout,
 score, make_batch, train_step, push_weights, probe_gap, reduce_metrics), vLLM's sleep and each wake_up tag, the
-empty_cache before a wake, and Python's garbage collections over 2 ms. The report gives, per name, each rank's
-median time per step from FIRST_STEP (default 3), and for the phases every rank runs the spread of their ends (how
-long the first rank to finish waits at the next collective); then rank 0's ledger from OUT_DIR/out/metrics.jsonl
-(run with --output_dir OUT_DIR/out). Each rollout's event also holds its engine steps (count, median, p90, the
+empty_cache before a wake, and Python's garbage collections over 2 ms; train_step's events hold its peak allocated
+GPU memory (the trainer's logged peak_allocated then counts from train_step on) and its micro-batches. The report
+gives, per name, each rank's median time per step from FIRST_STEP (default 3), and for the phases every rank runs the
+spread of their ends (how long the first rank to finish waits at the next collective); then rank 0's ledger from
+OUT_DIR/out/metrics.jsonl (run with --output_dir OUT_DIR/out). Each rollout's event also holds its engine steps (count, median, p90, the
 slowest three) and the host's counters over it: the main thread's CPU time, its context switches and the machine's
 steal time (BENCHMARKS.md "Four GPUs: the driver, the host's CPU, and sleep mode").
 PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP; PHASES_PIN=C pins rank r to cores
@@ -39,6 +40,7 @@ EVENTS, STEP = [], [1]
 OUT, PYSPY = {}, []  # OUT["dir"]: this run's OUT_DIR; PYSPY: the py-spy processes started (stopped, not yet reaped)
 PYSPY_HZ = 200
 ENGINE_STEPS = []  # the seconds of each LLMEngine.step in the rollout under way
+CUTS = [0]  # the micro-batches of the latest plan_micro_batches (train_step's)
 PHASES = ("rollout", "score", "make_batch", "train_step", "push_weights", "probe_gap", "reduce_metrics")
 
 
@@ -81,6 +83,8 @@ def wrap(fn, name):
             pyspy_start()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+            if name == "train_step":  # its peak: the trainer's, beside the engine asleep or awake
+                torch.cuda.reset_peak_memory_stats()
             if name == "empty_cache":  # what it has to give back: the caching allocator's segments
                 stats = torch.cuda.memory_stats()
                 extra = {"segments": stats.get("segment.all.current", 0),
@@ -94,6 +98,8 @@ def wrap(fn, name):
             if before is not None:
                 extra = rollout_extra(before)
                 pyspy_stop()
+            if name == "train_step" and torch.cuda.is_available():
+                extra = {"peak_gib": torch.cuda.max_memory_allocated() / 2**30, "micro_batches": CUTS[0]}
             record(name(args, kwargs) if callable(name) else name, start, **extra)
             STEP[0] += name == "train_step"
     return timed_call
@@ -180,6 +186,14 @@ def instrument():
                 super().__init__(*args, **{**kwargs, **extra})
         gcol.DDP = TunedDDP
 
+    plan_micro_batches = gcol.plan_micro_batches
+
+    def counted_cuts(*args, **kwargs):
+        cuts = plan_micro_batches(*args, **kwargs)
+        CUTS[0] = len(cuts)
+        return cuts
+    gcol.plan_micro_batches = counted_cuts
+
     for phase in PHASES:
         setattr(gcol, phase, wrap(getattr(gcol, phase), phase))
     LLM.sleep = wrap(LLM.sleep, "vllm_sleep")
@@ -221,6 +235,11 @@ def report(out_dir, first_step=3):
             print(f"rank {r} empty_cache before a wake: {statistics.median(e['end'] - e['start'] for e in freed):.3f} s,"
                   f" {statistics.median(e['segments'] for e in freed)} segments,"
                   f" {statistics.median(e['reserved_gib'] for e in freed):.1f} GiB cached (medians)")
+    for r, events in ranks.items():  # train_step's peak memory and micro-batches
+        trains = [e for e in events if e["name"] == "train_step" and e["step"] >= first_step and "peak_gib" in e]
+        if trains:
+            print(f"rank {r} train_step: peak allocated {max(e['peak_gib'] for e in trains):.1f} GiB,"
+                  f" {statistics.median(e['micro_batches'] for e in trains)} micro-batches (median)")
     for r, events in ranks.items():  # each rollout's engine steps and host counters (steps >= 1)
         rollouts = [e for e in events if e["name"] == "rollout" and "engine_steps" in e]
         if rollouts:
