@@ -1877,8 +1877,7 @@ MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.04
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
     """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
     peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
-    80 H layers bytes on CUDA (1.5B, 80 GiB: 14,042 tokens, 45 GiB), 180 fp32 on a CPU (SmolLM2:
-    3.1 MB)."""
+    80 H layers bytes on CUDA (1.5B: 14,042 tokens in 80 GiB), 180 on a CPU (SmolLM2: 3.1 MB)."""
     hidden = model_config.hidden_size
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
