@@ -459,8 +459,7 @@ def loss_normaliser(loss_type: str, batch, cuts: list[range], env):
     - global_count: what grpo_loss divides by (NORMALISERS' row), counted over the WHOLE global
       batch: its loss tokens ("tokens") or its non-filler sequences ("sequences", "constant").
       The micro-batch losses of all ranks then add up to the global batch's loss.
-    - loss_scale = world (bnpo: world / M, below): DDP and FSDP2 average the gradients over the
-      ranks; x world undoes that.
+    - loss_scale = world (bnpo: world / M): DDP and FSDP2 average over the ranks; x world undoes it.
     - micro_batch_weight = world / M, M: the micro-batches, on all ranks, that hold a loss token.
       bnpo has no global count (each micro-batch is the mean of its own tokens): its loss is the
       mean of those M means, so its loss_scale is this weight. The entropy bonus, a mean per
@@ -726,15 +725,13 @@ def adamw_step(policy, optimizer, scheduler, cfg: Config, env, has_loss_tokens: 
         torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
 
     # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all ranks
-    # agree), nor where no rank holds a loss token (not has_loss_tokens: AdamW's momentum and
-    # weight decay would still move the weights). set_to_none: step() then skips every parameter
-    # (one without a gradient); the rate's schedule still advances, as a resume sets it.
+    # agree), nor where no rank holds a loss token (AdamW's momentum and weight decay would still
+    # move the weights); the schedule still advances, as a resume sets it. DDP: zeroed in place
     finite = bool(torch.isfinite(grad_norm))
-    if not finite or not has_loss_tokens:
-        optimizer.zero_grad(set_to_none=True)
-    optimizer.step()
+    if finite and has_loss_tokens:
+        optimizer.step()
     scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not isinstance(policy, DDP))
     return grad_norm, finite
 
 
@@ -748,9 +745,8 @@ def plan_micro_batches(batch, budget: int, env) -> list[range]:
 
 
 def split_micro_batches(lengths: list[int], budget: int, num_micro_batches=0) -> list[range]:
-    """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches.
-    A cut [start, end) closes before sequence end when adding it would pass the budget, or at the
-    last sequence."""
+    """In-order cuts of <= budget tokens (a longer one alone), halved up to num_micro_batches: a
+    cut [start, end) closes before sequence end where it would pass the budget, or at the last."""
     cuts = []
     start = 0
     for end in range(1, len(lengths) + 1):
@@ -1390,9 +1386,12 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
             dist.broadcast(buffer, src=0)
         return policy
 
-    # DDP: every rank holds the whole model (DDP's start makes rank 0's weights everyone's)
+    # DDP: every rank holds the whole model (DDP's start makes rank 0's weights everyone's). Its
+    # gradients exist before it wraps: views of its buckets, where no_sync's micro-batches add
     if env.world == 1 or not trainable:
         return policy
+    for param in (p for p in policy.parameters() if p.requires_grad):
+        param.grad = torch.zeros_like(param)
     return DDP(policy, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                gradient_as_bucket_view=True)
 
@@ -1876,18 +1875,19 @@ MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.04
 
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
     """tokens (a micro-batch's budget), checkpointing and sleep (why: printed), from the planned
-    peak per rank in 85% of the GPU (a CPU: this process's share of the RAM). Activations per token:
-    80 H layers bytes on CUDA (1.5B: 14,042 tokens in 80 GiB), 180 on a CPU (SmolLM2: 3.1 MB)."""
+    peak per rank in 85% of the GPU (a CPU: this process's share of the RAM)."""
     hidden = model_config.hidden_size
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
 
-    # bytes: activations per token (plain, or checkpointed), and the trainer's state per parameter.
-    # CUDA's 80 H layers: the compiled layers' peak, less the state, was ~70 at 1.5B, ~40 at 135M
-    plain = (80 if cuda else 180) * hidden * layers  # bytes per token
+    # bytes of activations per token (plain, or checkpointed): on CUDA 80 H layers (the compiled
+    # layers took ~60 at 1.5B, ~40 at 135M; the rest is slack), on a CPU 180 (SmolLM2: 3.1 MB)
+    plain = (80 if cuda else 180) * hidden * layers
     checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
-    # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4
+    # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4;
+    # CUDA: + 2 B, autocast's bf16 copy of each weight, kept for backward (FSDP2 gathers in turn)
     per_param = (4 if cfg.use_peft else 16 + 4 * (cfg.beta > 0)) / (env.world if cfg.fsdp else 1)
+    per_param += 2 if cuda and not cfg.fsdp else 0
 
     # the room for activations: 85% of the device, less the trainer's state (and the engine awake)
     if cuda:

@@ -10,6 +10,7 @@
 No mocks of vLLM or the model in the end-to-end tests.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -734,33 +735,34 @@ GiB = 1 << 30
 
 def test_memory_plan(monkeypatch):
     """memory_plan's rules: per parameter 16 bytes (+4 for beta's reference; LoRA 4; / world
-    under FSDP2), room = 0.85 x the GPU - those, 80 x hidden x layers bytes per token
-    (checkpointed: 4 x hidden x layers + 80 x hidden), checkpointing where your budget, or 4,096
-    tokens, would not fit; a CPU plans in its share of the RAM beside an engine that stays awake."""
+    under FSDP2; + 2 on CUDA without FSDP2: autocast's bf16 copies), room = 0.85 x the GPU - those,
+    80 x hidden x layers bytes per token (checkpointed: 4 x hidden x layers + 80 x hidden),
+    checkpointing where your budget, or 4,096 tokens, would not fit; a CPU plans in its share of
+    the RAM beside an engine that stays awake."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))  # an 80 GiB GPU
     gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)  # engine_bytes 0 for now
 
     def plan(env=gpu, shape=QWEN15, params=N15, **flags):  # (tokens, checkpointing, sleep)
         p = gc.memory_plan(gc.Config(**flags), env, shape, params)
         return p.token_budget, p.checkpointing, p.sleep
-    # room = 0.85 x 80 GiB - 16 x 1,543,714,304 = 73,014,444,032 - 24,699,428,864 = 48,315,015,168 bytes;
-    # 80 x 1536 x 28 = 3,440,640 bytes per token: 14,042 tokens. An engine of 0 bytes leaves as much
+    # room = 0.85 x 80 GiB - 18 x 1,543,714,304 = 73,014,444,032 - 27,786,857,472 = 45,227,586,560 bytes;
+    # 80 x 1536 x 28 = 3,440,640 bytes per token: 13,145 tokens. An engine of 0 bytes leaves as much
     # room awake: as many micro-batches, so the engine stays awake
-    room = 0.85 * 80 * GiB - 16 * N15
-    assert plan() == (int(room // (80 * 1536 * 28)), False, False) == (14042, False, False)
+    room = 0.85 * 80 * GiB - 18 * N15
+    assert plan() == (int(room // (80 * 1536 * 28)), False, False) == (13145, False, False)
     assert plan(max_tokens_per_microbatch=8192) == (8192, False, False)  # 28.2 GB fit
     assert plan(max_tokens_per_microbatch=16384) == (16384, True, False)  # 56.4 GB do not
-    # + an fp32 reference, 20 bytes per parameter: 73,014,444,032 - 30,874,286,080 = 42,140,157,952 bytes
-    assert plan(beta=0.04) == (12247, False, False)
-    # LoRA, 4 bytes per parameter (the frozen fp32 base): 66,839,586,816 bytes // 3,440,640 = 19,426
-    assert plan(use_peft=True) == (19426, False, False)
-    # an engine of 8 GiB: 39,725,080,576 bytes beside it, 11,545 tokens. A batch of 128 x (256 + 256)
-    # = 65,536 tokens takes ceil(65,536 / 11,545) = 6 micro-batches awake, ceil(65,536 / 14,042) = 5
-    # asleep: one more (0.05 s) costs less than a sleep and a wake (0.15 s), so auto stays awake
+    # + an fp32 reference, 22 bytes per parameter: 73,014,444,032 - 33,961,714,688 = 39,052,729,344 bytes
+    assert plan(beta=0.04) == (11350, False, False)
+    # LoRA, 6 bytes per parameter (the frozen fp32 base, its bf16 copies): 63,752,158,208 bytes // 3,440,640
+    assert plan(use_peft=True) == (18529, False, False)
+    # an engine of 8 GiB: 36,637,651,968 bytes beside it, 10,648 tokens. A batch of 128 x (256 + 256)
+    # = 65,536 tokens takes ceil(65,536 / 10,648) = 7 micro-batches awake, ceil(65,536 / 13,145) = 5
+    # asleep: two more (0.10 s) cost less than a sleep and a wake (0.15 s), so auto stays awake
     gpu.engine_bytes = 8 * GiB
-    assert plan() == (11545, False, False)
-    assert plan(vllm_enable_sleep_mode="true") == (14042, False, True)
-    assert plan(vllm_enable_sleep_mode="false") == (11545, False, False)  # awake: the room beside it
+    assert plan() == (10648, False, False)
+    assert plan(vllm_enable_sleep_mode="true") == (13145, False, True)
+    assert plan(vllm_enable_sleep_mode="false") == (10648, False, False)  # awake: the room beside it
     assert plan(vllm_enable_sleep_mode="false", gradient_checkpointing="false",
                 max_tokens_per_microbatch=16384) == (16384, False, False)
     # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7,615,616,512 / 2 = 60.9 GB leave 12,089,511,936
@@ -803,8 +805,8 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_env's engine_bytes: 26 GiB
     env = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, engine_bytes=engine)
     per_token = 80 * 896 * 24  # 1,720,320 bytes
-    asleep = 0.85 * 80 * GiB - 16 * n05  # 65,109,919,744 bytes: 37,847 tokens
-    awake = asleep - engine  # 37,192,632,320 bytes: 21,619 tokens
+    asleep = 0.85 * 80 * GiB - 18 * n05  # 64,121,854,208 bytes: 37,273 tokens
+    awake = asleep - engine  # 36,204,566,784 bytes: 21,045 tokens
 
     def plan(shape=qwen05, params=n05, **flags):  # (tokens, checkpointing, sleep, why)
         cfg = gc.Config(**{"num_generations": 8, "gradient_accumulation_steps": 1,
@@ -812,41 +814,41 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
         p = gc.memory_plan(cfg, env, shape, params)
         return p.token_budget, p.checkpointing, p.sleep, p.why
     # 8 completions, <= 8 x 1,280 = 10,240 tokens: 1 micro-batch awake as asleep, so it stays awake
-    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (21619, False, False)
-    assert 16 * n05 + 21619 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
-    # 48 completions: 61,440 tokens, ceil(61,440 / 21,619) = 3 micro-batches awake, ceil(61,440 /
-    # 37,847) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
+    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (21045, False, False)
+    assert 18 * n05 + 21045 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
+    # 48 completions: 61,440 tokens, ceil(61,440 / 21,045) = 3 micro-batches awake, ceil(61,440 /
+    # 37,273) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=48)
-    assert (tokens, checkpointing, sleep) == (21619, False, False)
+    assert (tokens, checkpointing, sleep) == (21045, False, False)
     assert "off (auto: 3 micro-batches awake, 2 asleep: ~0.05s < a sleep and a wake" in why
     # 160 completions: 204,800 tokens, 10 micro-batches awake, 6 asleep: 4 more (0.20 s) cost more
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=160)
-    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (37847, False, True)
+    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (37273, False, True)
     assert "awake would cut 10 micro-batches, not 6" in why
-    # a budget of yours that fits only while the engine sleeps (30,000 x 1.72 MB = 51.6 GB > 37.2 GB)
+    # a budget of yours that fits only while the engine sleeps (30,000 x 1.72 MB = 51.6 GB > 36.2 GB)
     # keeps it asleep; so does "true"
     assert plan(per_device_train_batch_size=8, max_tokens_per_microbatch=30_000)[:3] == (30_000, False, True)
-    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (37847, False, True)
-    # the Qwen2.5-1.5B shape at the defaults, 128 x (256 + 256) = 65,536 tokens: 48,315,015,168 -
-    # 27,917,287,424 = 20,397,727,744 bytes beside the engine, 5,928 tokens, 12 micro-batches; 5 asleep
-    # (14,042 tokens): 7 more (0.35 s) cost more than a sleep and a wake, so it sleeps (as on an H100)
+    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (37273, False, True)
+    # the Qwen2.5-1.5B shape at the defaults, 128 x (256 + 256) = 65,536 tokens: 45,227,586,560 -
+    # 27,917,287,424 = 17,310,299,136 bytes beside the engine, 5,031 tokens, 14 micro-batches; 5 asleep
+    # (13,145 tokens): 9 more (0.45 s) cost more than a sleep and a wake, so it sleeps (as on an H100)
     p = gc.memory_plan(gc.Config(), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (14042, False, True)
-    assert "awake would cut 12 micro-batches, not 5" in p.why
+    assert (p.token_budget, p.checkpointing, p.sleep) == (13145, False, True)
+    assert "awake would cut 14 micro-batches, not 5" in p.why
     # --vllm_enable_sleep_mode false: the room beside the engine, however small. An engine of 0.4 x 80
-    # GiB + 2 GiB leaves 11,807,793,152 bytes, under 4,096 x 3,440,640 = 14,092,861,440: checkpointed,
-    # 4 x 1536 x 28 + 80 x 1536 = 294,912 bytes per token, 40,038 tokens
+    # GiB + 2 GiB leaves 8,720,364,544 bytes, under 4,096 x 3,440,640 = 14,092,861,440: checkpointed,
+    # 4 x 1536 x 28 + 80 x 1536 = 294,912 bytes per token, 29,569 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (5928, False, False)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (5031, False, False)
     env.engine_bytes = int(0.4 * 80 * GiB) + 2 * GiB
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (40038, True, False)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (29569, True, False)
     env.engine_bytes = engine
     # four DDP ranks on the host: their sleeps and wakes take turns in the driver (4 x 0.15 s), so the
     # 4 micro-batches more of 160 completions (0.20 s) are the cheaper choice: awake
     env.local_world = 4
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=160)
-    assert (tokens, checkpointing, sleep) == (21619, False, False)
+    assert (tokens, checkpointing, sleep) == (21045, False, False)
     assert "off (auto: 10 micro-batches awake, 6 asleep: ~0.20s < a sleep and a wake, ~0.60s)" in why
     # FSDP2 keeps one rank's price (its extra micro-batches all-gather and reduce-scatter the model)
     assert plan(per_device_train_batch_size=160, fsdp=True)[2] is True
@@ -1459,6 +1461,50 @@ def test_non_finite_step_is_skipped():
     sums = gc.train_step(policy, optimizer, scheduler, batch([-1.0, 1.0]), cfg, env, BUDGET, {}, 2)
     assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
+
+
+def _ddp_grads_worker(rank, world, store, results):
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    env = cpu_env(rank=rank, world=world, is_main=rank == 0)
+    cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    loss_type="grpo", vllm_importance_sampling_correction=False)
+    policy = gc.wrap_policy(tiny_llama(), env, cfg, checkpointing=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    in_no_sync = []  # per step: each gradient's storage after the micro-batch under no_sync
+    no_sync = policy.no_sync
+
+    @contextlib.contextmanager
+    def recording_no_sync():
+        with no_sync():
+            yield
+        in_no_sync.append([p.grad.data_ptr() for p in policy.parameters()])
+    policy.no_sync = recording_no_sync
+    storage = []  # per step: each gradient's storage after it, and whether all are zero again
+    for step in (1, 2, 3):
+        batch = train_batch([[1, 2], [3]], [[4 + rank, 5], [6, 7 + step]], [-1.0, 1.0])
+        gc.train_step(policy, optimizer, scheduler, batch, cfg, env, 4, {}, step)  # 2 micro-batches
+        grads = [p.grad for p in policy.parameters()]
+        storage.append(([g.data_ptr() for g in grads], all(bool((g == 0).all()) for g in grads)))
+    results[rank] = (in_no_sync, storage, [p.detach().clone() for p in policy.parameters()])
+    dist.destroy_process_group()
+
+
+def test_ddp_gradients_stay_in_its_buckets(tmp_path):
+    """Under DDP the gradients are views of its all-reduce buckets from the start, and are zeroed in
+    place after each step: the micro-batches under no_sync add into the buckets, not into a second
+    copy (set to None, the next step's first backward would allocate one: 4 bytes a parameter)."""
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_grads_worker, args=(2, tmp_path / "store", results), nprocs=2, join=True)
+    for rank in range(2):
+        in_no_sync, storage, _ = results[rank]
+        assert all(zeroed for _, zeroed in storage)  # not None: zeroed in place
+        # the first micro-batch's gradients are already the buckets' (step 1 included); DDP rebuilds
+        # its buckets once, after the first step, and from then on the storage stays
+        assert in_no_sync == [ptrs for ptrs, _ in storage]
+        assert storage[1][0] == storage[2][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))  # the ranks agree
 
 class RecordingEngine:
     """Stands in for vllm.LLM in the engine tests below: notes sleeps and wakes, returns fixed completions."""
@@ -3370,15 +3416,15 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
 
 def test_memory_plan_floors_at_the_longest_sequence(monkeypatch):
     """Issue 34 item 1: with 16,384-token completions at 1.5B on 80 GiB, one sequence of 16,640
-    tokens needs 57.2 GB of activations without checkpointing, more than the 48.3 GB of room: the
+    tokens needs 57.3 GB of activations without checkpointing, more than the 45.2 GB of room: the
     plan checkpoints (the floor is the longest sequence, not 4,096 tokens) instead of planning a
     16,896-token budget past memory."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
-    room = 0.85 * 80 * GiB - 16 * N15  # 48,315,015,168 bytes
+    room = 0.85 * 80 * GiB - 18 * N15  # 45,227,586,560 bytes
     plan = gc.memory_plan(gc.Config(max_completion_length=16384), gpu, QWEN15, N15)
     per_token = 4 * 1536 * 28 + 80 * 1536  # checkpointed: 294,912 bytes
-    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 163_828
+    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 153_359
     assert plan.token_budget * per_token <= room and 16640 * 80 * 1536 * 28 > room
 
 
