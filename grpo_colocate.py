@@ -1870,7 +1870,7 @@ def load_optimizer(path: str, policy, optimizer):
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
 # What a step pays (BENCHMARKS.md: "Sleep mode, decided by time"; "Four GPUs: the driver, ...")
 SLEEP_WAKE_SECONDS = 0.15  # a sleep and wakes, x DDP ranks per host (1: 0.13-0.29 s, 4: 0.58-0.73)
-MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.04 s at 1.5B
+MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.05 s at 1.5B
 
 
 def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamespace:
