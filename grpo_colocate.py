@@ -589,7 +589,7 @@ class Policy(nn.Module):
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
         logp_t = log_softmax(logits_{t-1} / temperature)[token_t]     (logits: lm_head(hidden))
     (with --top_k / --top_p: the log_softmax over the tokens vLLM's sampler could draw). Written so,
-    each [L, V] fp32 tensor of a micro-batch takes 8.5 GB at 1.5B (14,042 x 151,936 x 4 B), and
+    each [L, V] fp32 tensor of a micro-batch takes 8.0 GB at 1.5B (13,145 x 151,936 x 4 B), and
     autograd keeps several; TokenLogprobs (appendix H) computes it a chunk of tokens at a time."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):

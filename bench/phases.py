@@ -10,9 +10,9 @@ empty_cache before a wake, and Python's garbage collections over 2 ms; train_ste
 GPU memory (the trainer's logged peak_allocated then counts from train_step on) and its micro-batches. The report
 gives, per name, each rank's median time per step from FIRST_STEP (default 3), and for the phases every rank runs the
 spread of their ends (how long the first rank to finish waits at the next collective); then rank 0's ledger from
-OUT_DIR/out/metrics.jsonl (run with --output_dir OUT_DIR/out). Each rollout's event also holds its engine steps (count, median, p90, the
-slowest three) and the host's counters over it: the main thread's CPU time, its context switches and the machine's
-steal time (BENCHMARKS.md "Four GPUs: the driver, the host's CPU, and sleep mode").
+OUT_DIR/out/metrics.jsonl (run with --output_dir OUT_DIR/out). Each rollout's event also holds its engine steps
+(count, median, p90, the slowest three) and the host's counters over it: the main thread's CPU time, its context
+switches and the machine's steal time (BENCHMARKS.md "Four GPUs: the driver, the host's CPU, and sleep mode").
 PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP; PHASES_PIN=C pins rank r to cores
 [r C, (r + 1) C). PHASES_PYSPY=PATH (the py-spy binary) samples each of rank 0's rollouts with py-spy (every thread,
 200 Hz, not pausing the process) into OUT_DIR/pyspy/rollout{K}.txt (K counts from 0); the report then sets the
