@@ -320,11 +320,10 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     """The rollout as train_step takes it: the P groups a step trains on (pick_groups: at the
     defaults all D drawn), their rewards and advantages, and the masks that say which tokens learn.
     In: drawn_rows [D]; drawn_samples and rewards_per_func [D G]. The batch's fields, built here
-    alone: sample_prompt_ids and completion_ids [N]; model_mask and loss_mask [N, T] (T: the
-    longest completion); filler and advantages [N]; vllm_logps [N, T] (None without the IS
-    correction); old_logps and ref_logps [N, T], None until the loop's logprobs phase fills them
-    where needed (num_iterations > 1 or --lora_dropout; --beta > 0); stats, which reduce_metrics
-    sums and logs."""
+    alone: sample_prompt_ids and completion_ids [N]; model_mask and loss_mask [N, T] (T: the longest
+    completion); filler and advantages [N]; vllm_logps [N, T] (None without the IS correction);
+    old_logps and ref_logps [N, T], None until the loop's logprobs phase fills them where needed
+    (num_iterations > 1 or --lora_dropout; --beta > 0); stats, which reduce_metrics logs."""
     G = cfg.num_generations
 
     # the groups this step trains on (pick_groups): at the defaults all drawn, in order (D = P)
@@ -1860,6 +1859,7 @@ def read_checkpoint_state(path: str) -> dict:
 
 def load_optimizer(path: str, policy, optimizer):
     """The AdamW state of checkpoint `path`, resharded to this run's layout (any world size)."""
+    optimizer.zero_grad(set_to_none=True)  # DCP fills an empty state to load into only if no grads
     state = {"optimizer": dcp_state.get_optimizer_state_dict(policy, optimizer)}  # its layout
     # DCP unpickles non-tensor values with weights_only=False: forced to True, for this load only
     with mock.patch.dict(os.environ, TORCH_FORCE_WEIGHTS_ONLY_LOAD="1"):
