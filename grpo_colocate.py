@@ -439,9 +439,8 @@ def is_truncated(token_ids, finish_reason, end_ids) -> bool:
 #   "tokens"      sum_it l m / (the global batch's loss tokens)   a token mean         dapo, cispo
 #   "constant"    sum_it l m / (S max_completion_length)  no length bias (Dr. GRPO)      dr_grpo
 #   "micro_batch" sum_it l m / sum_it m of the micro-batch alone (a mean of means)       bnpo
-# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, its clip
-# rule in logged_token_means (appendix F), a MEANS row for any new statistic (a test checks the
-# first two).
+# A new loss type: its name in Config.loss_type, a row here, its term in grpo_loss, its clip rule
+# in logged_token_means (appendix F), a MEANS row per new statistic (a test checks the first two).
 NORMALISERS = {"grpo": "sequences", "sapo": "sequences", "dapo": "tokens", "cispo": "tokens",
                "dr_grpo": "constant", "bnpo": "micro_batch"}
 CISPO_CAP = 5.0  # CISPO's weight cap unless --epsilon_high sets it (ScaleRL's; TRL's docs)
@@ -724,11 +723,14 @@ def adamw_step(policy, optimizer, scheduler, cfg: Config, env, has_loss_tokens: 
         torch.nn.utils.clip_grads_with_norm_(params, cfg.max_grad_norm, grad_norm)
 
     # No update where a NaN/inf loss made the gradient non-finite (the norm is global: all ranks
-    # agree), nor where no rank holds a loss token (AdamW's momentum and weight decay would still
-    # move the weights); the schedule still advances, as a resume sets it. DDP: zeroed in place
+    # agree), nor where no rank holds a loss token (not has_loss_tokens: AdamW's momentum and
+    # weight decay would still move the weights). set_to_none: step() then skips every parameter
+    # (one without a gradient); the rate's schedule still advances, as a resume sets it. Else
+    # DDP's gradients are zeroed in place: they stay views of its buckets (wrap_policy)
     finite = bool(torch.isfinite(grad_norm))
-    if finite and has_loss_tokens:
-        optimizer.step()
+    if not finite or not has_loss_tokens:
+        optimizer.zero_grad(set_to_none=True)
+    optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=not isinstance(policy, DDP))
     return grad_norm, finite
@@ -1130,9 +1132,8 @@ def evaluate(llm, cfg, env, tokenizer, eval_rows, reward_funcs, step: int) -> di
 
 # ---- A. Setup: this process's place, the process group, the engine, the policy and AdamW ----
 def setup_env(cfg: Config) -> SimpleNamespace:
-    """This rank's place (torchrun's environment) and its platform's ways, decided once (the
-    step reads them: env.push_via, env.attention, env.device...). tp_group is None here, the one
-    field set later (setup_distributed)."""
+    """This rank's place (torchrun's environment) and its platform's ways, decided once (the step
+    reads env.push_via, env.attention, env.device...); tp_group is None until setup_distributed."""
     # plain `python grpo_colocate.py`: a world of one, with a process group all the same (the
     # collectives work at world 1; the `world > 1` guards only skip needless ones)
     if "RANK" not in os.environ:
@@ -2074,8 +2075,7 @@ def progress(started: float, step_times: list[float], steps_left: int) -> str:
 
 
 def log_line(step, max_steps, clock: str, m) -> str:
-    """The step's line on stdout. trunc: completion_clipped_ratio, clip: clip_ratio/region; then
-    the time ledger in seconds."""
+    """The stdout line (trunc: completion_clipped_ratio, clip: clip_ratio/region; times in s)."""
     rewards = [f"{k[8:].removesuffix('_reward')} {v:.2f}" for k, v in m.items() if k[:8] == "rewards/"]
     parts = [
         f"step {step}/{max_steps} ({clock})",
