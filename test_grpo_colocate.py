@@ -835,9 +835,9 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     p = gc.memory_plan(gc.Config(), env, QWEN15, N15)
     assert (p.token_budget, p.checkpointing, p.sleep) == (13145, False, True)
     assert "awake would cut 14 micro-batches, not 5" in p.why
-    # --vllm_enable_sleep_mode false: the room beside the engine, however small. An engine of 0.4 x 80
-    # GiB + 2 GiB leaves 8,720,364,544 bytes, under 4,096 x 3,440,640 = 14,092,861,440: checkpointed,
-    # 4 x 1536 x 28 + 80 x 1536 = 294,912 bytes per token, 29,569 tokens
+    # --vllm_enable_sleep_mode false: the room beside the engine, however small: 5,031 tokens (4,096
+    # fit). An engine of 0.4 x 80 GiB + 2 GiB leaves 8,720,364,544 bytes, under 4,096 x 3,440,640 =
+    # 14,092,861,440: checkpointed, 4 x 1536 x 28 + 80 x 1536 = 294,912 bytes per token, 29,569 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
     assert (p.token_budget, p.checkpointing, p.sleep) == (5031, False, False)
     env.engine_bytes = int(0.4 * 80 * GiB) + 2 * GiB
