@@ -1996,7 +1996,7 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """memory: the max of the GPU's used memory (trainer + engine) sampled, our peak in the step."""
+    """memory: the GPU's most used memory sampled; torch's peak (it counts the engine, asleep too)."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
