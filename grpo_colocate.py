@@ -1996,7 +1996,7 @@ def peak_flops(env):
 
 
 def sample_memory(env, memory: dict):
-    """memory: the GPU's most used memory sampled; torch's peak (it counts the engine, asleep too)."""
+    """memory: the GPU's most used memory sampled; torch's peak (with the engine, even asleep)."""
     if env.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(env.device)
         memory["device_used"] = max(memory.get("device_used", 0.0), (total - free) / 2**30)
