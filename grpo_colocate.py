@@ -24,8 +24,8 @@ tokens, H the hidden size, V the vocabulary, R reward functions.
 
 Implemented (README.md, Variants): GRPO (group-relative advantages, the clipped surrogate, k3 KL,
 num_iterations > 1, TRL 1.16's loss normalisations); DAPO (clip-higher, overlong filtering and
-penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO, SAPO; the entropy bonus, top-entropy tokens;
-the vLLM/trainer importance-sampling correction; tools (multi-turn); DDP or FSDP2, activation
+penalty, dynamic sampling), Dr. GRPO, GSPO, CISPO, SAPO; the entropy bonus, top-entropy tokens; the
+vLLM/trainer importance-sampling correction; tools (multi-turn); DDP or FSDP2, activation
 checkpointing, LoRA. Not implemented: TRL's adaptive entropy coefficient, luspo / vespo,
 environment_factory, rollout_func, tensor or sequence parallelism in the trainer.
 """
@@ -225,12 +225,11 @@ def generate(llm, env, prompt_ids: list[list[int]], params, seeds=None, max_toke
     world size. With base = derive_seed(seed, "rollout"), completion j at position i is seeded
         base + G i + j                               its first turn
         derive_seed(seed, "rollout", i, j, turn)     a tool turn (tool_turns)
-    rollout sends base + G i with the request; vLLM seeds its samples base + G i + 0, 1, ...
-    The engine's own seed, derive_seed(seed, "engine", rank // tp) (make_engine), is alike within
-    a TP group and differs across groups.
-    TP groups: the ranks of a group drive ONE engine together, so they must pass it the same
-    requests: each rank gathers the group's requests, all generate them once, and each keeps the
-    slice of the outputs that holds its own."""
+    rollout sends base + G i with the request; vLLM seeds its samples base + G i + 0, 1, ... The
+    engine's own seed, derive_seed(seed, "engine", rank // tp) (make_engine), is alike within a TP
+    group and differs across groups. TP groups: the ranks of a group drive ONE engine together, so
+    they must pass it the same requests: each rank gathers the group's requests, all generate them
+    once, and each keeps the slice of the outputs that holds its own."""
     none = [None] * len(prompt_ids)
     requests = list(zip(prompt_ids, seeds or none, max_tokens or none))
 
@@ -1392,8 +1391,9 @@ def wrap_policy(lm: nn.Module, env, cfg: Config, checkpointing: bool, trainable=
         return policy
     for param in (p for p in policy.parameters() if p.requires_grad):
         param.grad = torch.zeros_like(param)
-    return DDP(policy, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-               gradient_as_bucket_view=True)
+    # each compiled layer stays one graph (dynamo would cut it at DDP's buckets: fusions lost)
+    torch._dynamo.config.optimize_ddp = False
+    return DDP(policy, gradient_as_bucket_view=True)  # its inputs are on its GPU: no device_ids
 
 
 def unwrap(module: nn.Module) -> nn.Module:

@@ -1469,7 +1469,13 @@ def _ddp_grads_worker(rank, world, store, results):
     env = cpu_env(rank=rank, world=world, is_main=rank == 0)
     cfg = gc.Config(num_generations=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
                     loss_type="grpo", vllm_importance_sampling_correction=False)
-    policy = gc.wrap_policy(tiny_llama(), env, cfg, checkpointing=False)
+    policy = gc.wrap_policy(tiny_llama(hidden=256), env, cfg, checkpointing=False)  # 2.5 MB a layer
+    # the layers compiled as on a GPU, through a backend that keeps dynamo's graphs; 1 MB buckets
+    # (DDP's default 25 MB would hold the whole model), where dynamo's DDPOptimizer would cut them
+    graphs = []
+    policy.bucket_bytes_cap = 1 << 20
+    for layer in gc.unwrap(policy).lm.get_decoder().layers:
+        layer.compile(backend=lambda graph, inputs: graphs.append(graph) or graph.forward, dynamic=True)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     in_no_sync = []  # per step: each gradient's storage after the micro-batch under no_sync
@@ -1487,18 +1493,25 @@ def _ddp_grads_worker(rank, world, store, results):
         gc.train_step(policy, optimizer, scheduler, batch, cfg, env, 4, {}, step)  # 2 micro-batches
         grads = [p.grad for p in policy.parameters()]
         storage.append(([g.data_ptr() for g in grads], all(bool((g == 0).all()) for g in grads)))
-    results[rank] = (in_no_sync, storage, [p.detach().clone() for p in policy.parameters()])
+    # the parameters each graph takes: a whole layer's, or DDPOptimizer's cut
+    layer_params = [sum("_parameters_" in n.name for n in g.graph.find_nodes(op="placeholder"))
+                    for g in graphs]
+    results[rank] = (in_no_sync, storage, [p.detach().clone() for p in policy.parameters()], layer_params)
     dist.destroy_process_group()
 
 
 def test_ddp_gradients_stay_in_its_buckets(tmp_path):
     """Under DDP the gradients are views of its all-reduce buckets from the start, and are zeroed in
     place after each step: the micro-batches under no_sync add into the buckets, not into a second
-    copy (set to None, the next step's first backward would allocate one: 4 bytes a parameter)."""
+    copy (set to None, the next step's first backward would allocate one: 4 bytes a parameter).
+    And each compiled decoder layer stays one graph under DDP."""
     results = mp.Manager().dict()
     mp.spawn(_ddp_grads_worker, args=(2, tmp_path / "store", results), nprocs=2, join=True)
     for rank in range(2):
-        in_no_sync, storage, _ = results[rank]
+        in_no_sync, storage, _, layer_params = results[rank]
+        # every graph a whole layer's 9 (4 attention projections, 3 MLP's, 2 norms): not cut at
+        # DDP's buckets (with dynamo's DDPOptimizer: [2, 5, 2] a layer)
+        assert layer_params and all(count == 9 for count in layer_params)
         assert all(zeroed for _, zeroed in storage)  # not None: zeroed in place
         # the first micro-batch's gradients are already the buckets' (step 1 included); DDP rebuilds
         # its buckets once, after the first step, and from then on the storage stays
