@@ -1462,7 +1462,6 @@ def test_non_finite_step_is_skipped():
     assert sums["skipped"] == 0.0 and not all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
-
 def _ddp_grads_worker(rank, world, store, results):
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -1518,6 +1517,7 @@ def test_ddp_gradients_stay_in_its_buckets(tmp_path):
         assert in_no_sync == [ptrs for ptrs, _ in storage]
         assert storage[1][0] == storage[2][0]
     assert all(torch.equal(a, b) for a, b in zip(results[0][2], results[1][2]))  # the ranks agree
+
 
 class RecordingEngine:
     """Stands in for vllm.LLM in the engine tests below: notes sleeps and wakes, returns fixed completions."""
