@@ -31,6 +31,7 @@ environment_factory, rollout_func, tensor or sequence parallelism in the trainer
 """
 
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -41,7 +42,6 @@ import math
 import os
 import pickle
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -367,11 +367,10 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
                  rewards=rewards, rewards_per_func=batch_rewards_per_func, advantages=advantages,
                  zero_std=zero_std.float(), lengths=model_mask.sum(1).float(),
                  truncated=truncated.float(), prompt_tokens=sum(map(len, sample_prompt_ids)))
-    completion_ids = [s.token_ids for s in batch_samples]
-    return SimpleNamespace(sample_prompt_ids=sample_prompt_ids,
-                           completion_ids=completion_ids, model_mask=model_mask,
-                           loss_mask=loss_mask, filler=filler, advantages=advantages,
-                           vllm_logps=vllm_logps, old_logps=None, ref_logps=None, stats=stats)
+    return SimpleNamespace(sample_prompt_ids=sample_prompt_ids, model_mask=model_mask,
+                           completion_ids=[s.token_ids for s in batch_samples], filler=filler,
+                           loss_mask=loss_mask, advantages=advantages, vllm_logps=vllm_logps,
+                           old_logps=None, ref_logps=None, stats=stats)
 
 
 def compute_advantages(rewards: torch.Tensor, G: int, scale_rewards="group", all_rewards=None):
@@ -599,10 +598,9 @@ class Policy(nn.Module):
     def forward(self, input_ids, position_ids, cu_seqlens, longest, completion_index, model_mask,
                 temperature, top_k=0, top_p=1.0):
         """pack's outputs, model_mask [b, T] -> logps (over the allowed set), entropies: [b, T]."""
-        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                    use_cache=False, cu_seq_lens_q=cu_seqlens,
-                                    cu_seq_lens_k=cu_seqlens, max_length_q=longest,
-                                    max_length_k=longest)
+        out = self.lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                    max_length_q=longest, max_length_k=longest)
         hidden = out.last_hidden_state[0]  # [L, H]: the state at column j predicts token j + 1
         weight = self.lm.get_output_embeddings().weight
         targets = input_ids[0, completion_index]  # [n]
@@ -1079,6 +1077,10 @@ def run(cfg: Config, env, inputs, trackers=()):
         # ======== push (6): the trained weights into the engine (checked: probe or next canary)
         if iterations_done == cfg.num_iterations:
             engine.wake_and_push(trainer.policy, step, ledger)
+        # what lives after this process's first step (the model, the compiled kernels) lives all run
+        if step == start_step + 1:
+            gc.collect()
+            gc.freeze()  # Python's full collections skip it from here on (vLLM froze its start's)
 
         # ======== log (appendix F): stdout and metrics.jsonl; the greedy eval (evaluate, below run)
         cuda_sync(env)  # what no phase timed (batching...): the ledger sums to the step, eval apart
@@ -2139,7 +2141,7 @@ def open_trackers(cfg: Config) -> list:
     trackers = []
     if "tensorboard" in cfg.report_to:  # where transformers' TensorBoardCallback writes
         from torch.utils.tensorboard import SummaryWriter
-        run_name = f"{datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"
+        run_name = f"{datetime.now():%b%d_%H-%M-%S}_{os.uname().nodename}"
         writer = SummaryWriter(os.path.join(cfg.output_dir, "runs", run_name))
         writer.add_text("config", json.dumps(asdict(cfg), indent=1))
 
@@ -2198,11 +2200,9 @@ def tool_turns(llm, cfg, env, tokenizer, sample_prompt_ids, samples, params, pos
             break
 
         # the model's next turn after its results (seeds: generate's docstring; the eval: greedy)
-        seeds = None
-        if positions is not None:
-            G = cfg.num_generations
-            seeds = [derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn)
-                     for k in active]
+        G = cfg.num_generations
+        seeds = None if positions is None else [
+            derive_seed(cfg.seed, "rollout", positions[k // G], k % G, turn) for k in active]
         requests = [sample_prompt_ids[k] + samples[k].token_ids for k in active]
         room = [cfg.max_completion_length - len(samples[k].token_ids) for k in active]
         for k, out in zip(active, generate(llm, env, requests, replace(params, n=1), seeds, room)):

@@ -1571,6 +1571,27 @@ def test_engine_sleeps_through_every_train_step(tiny_model, smol_tokenizer, tmp_
     assert events == ["push", "train, engine asleep", "push", "train, engine asleep", "push"]
 
 
+def test_objects_freeze_once_after_the_first_step(tiny_model, smol_tokenizer, tmp_path, monkeypatch, world_of_one):
+    """What lives after this process's first step (the model, on CUDA the compiled kernels) lives all run: run()
+    hands it to gc.freeze() once, after step 1's push, after a gc.collect() (no garbage frozen for good), so
+    Python's full collections skip it in every later step. run()'s real loop with a recording stand-in engine."""
+    cfg = gc.Config(model=tiny_model(engine=True), num_generations=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=1, max_steps=3, eval_steps=0, save_steps=-1,
+                    vllm_importance_sampling_correction=False, reward_funcs=["reward_len"], output_dir=str(tmp_path))
+    events, train_step, collect = [], gc.train_step, gc.gc.collect
+    monkeypatch.setattr(gc, "make_engine", lambda *args: RecordingEngine())
+    monkeypatch.setattr(gc, "push_weights", lambda *args: events.append("push"))
+    monkeypatch.setattr(gc, "probe_gap", lambda *args: 0.0)
+    monkeypatch.setattr(gc, "train_step", lambda *args: events.append("train") or train_step(*args))
+    monkeypatch.setattr(gc.gc, "collect", lambda *args: events.append("collect") or collect(*args))
+    monkeypatch.setattr(gc.gc, "freeze", lambda: events.append("freeze"))
+    rows = [{"prompt": f"p{i}", "answer": "1", "prompt_ids": [10 + i, 11]} for i in range(6)]
+    plan = SimpleNamespace(token_budget=BUDGET, checkpointing=False, sleep=False, why="off")
+    gc.run(cfg, cpu_env(), SimpleNamespace(model_config=None, data=(smol_tokenizer, rows, rows[:1]), state=None,
+                                           plan=plan))
+    assert events == ["push", "train", "push", "collect", "freeze", "train", "push", "train", "push"]
+
+
 @pytest.mark.parametrize("correction,probed", [
     (True, [True, False, False]),
     (False, [True, True, True]),

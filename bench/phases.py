@@ -17,8 +17,8 @@ PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP;
 [r C, (r + 1) C). PHASES_PYSPY=PATH (the py-spy binary) samples each of rank 0's rollouts with py-spy (every thread,
 200 Hz, not pausing the process) into OUT_DIR/pyspy/rollout{K}.txt (K counts from 0); the report then sets the
 fastest rollout's functions against the slowest's (seconds of samples in each, self and inclusive): which host work
-grows when a rollout is slow. PHASES_GC_FREEZE=1 calls gc.freeze() after step 1's train_step (gc2: what Python's
-full collections then cost).
+grows when a rollout is slow. The trainer freezes Python's objects after its first step (gc.freeze(): full
+collections then skip them); PHASES_GC_FREEZE=0 turns that off, to see what the gc2 lines cost without it.
 """
 import functools
 import gc
@@ -102,11 +102,9 @@ def wrap(fn, name):
             if name == "train_step" and torch.cuda.is_available():
                 extra = {"peak_gib": torch.cuda.max_memory_allocated() / 2**30, "micro_batches": CUTS[0]}
             record(name(args, kwargs) if callable(name) else name, start, **extra)
-            if name == "train_step" and STEP[0] == 1 and os.environ.get("PHASES_GC_FREEZE"):
-                frozen = gc.get_freeze_count()  # vLLM's engine froze the objects of its start
-                gc.collect()  # then every object so far (the engine, the model, step 1's compiled code) is
-                gc.freeze()  # out of the collector's sight: a full collection scans the later objects only
-                print(f"phases: gc.freeze() after step 1: {frozen} -> {gc.get_freeze_count()} objects", flush=True)
+            if name == "train_step" and STEP[0] <= 2:  # vLLM froze its start's objects; the trainer, step 1's
+                print(f"phases: after step {STEP[0]}'s train_step: {gc.get_freeze_count()} objects frozen, "
+                      f"{len(gc.get_objects())} others tracked", flush=True)
             STEP[0] += name == "train_step"
     return timed_call
 
@@ -205,6 +203,8 @@ def instrument():
     LLM.sleep = wrap(LLM.sleep, "vllm_sleep")
     LLM.wake_up = wrap(LLM.wake_up, lambda a, k: "wake_" + "_".join(k.get("tags") or ["all"]))
     torch.cuda.empty_cache = wrap(torch.cuda.empty_cache, "empty_cache")
+    if os.environ.get("PHASES_GC_FREEZE") == "0":  # the trainer's gc.collect() and gc.freeze() after step 1: none
+        gcol.gc = type("NoFreeze", (), {"collect": staticmethod(lambda: 0), "freeze": staticmethod(lambda: None)})
     gc_start = {}
 
     def on_gc(phase, info):
