@@ -585,7 +585,7 @@ class Policy(nn.Module):
     inputs). What it computes, for each scored token t of a sequence, in one readable line:
         logp_t = log_softmax(logits_{t-1} / temperature)[token_t]     (logits: lm_head(hidden))
     (with --top_k / --top_p: the log_softmax over the tokens vLLM's sampler could draw). Written so,
-    each [L, V] fp32 tensor of a micro-batch takes 8.0 GB at 1.5B (13,145 x 151,936 x 4 B), and
+    each [L, V] fp32 tensor of a micro-batch takes 10.0 GB at 1.5B (16,431 x 151,936 x 4 B), and
     autograd keeps several; TokenLogprobs (appendix H) computes it a chunk of tokens at a time."""
 
     def __init__(self, lm: nn.Module, entropy_grad=False):
@@ -1883,9 +1883,9 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
     layers = model_config.num_hidden_layers
     cuda = env.device.type == "cuda"
 
-    # bytes of activations per token (plain, or checkpointed): on CUDA 80 H layers (the compiled
-    # layers took ~60 at 1.5B, ~40 at 135M; the rest is slack), on a CPU 180 (SmolLM2: 3.1 MB)
-    plain = (80 if cuda else 180) * hidden * layers
+    # bytes of activations per token (plain, or checkpointed): on CUDA 64 H layers (the compiled
+    # layers took ~55 at 1.5B, ~40 at 135M; the rest is slack), on a CPU 180 (SmolLM2: 3.1 MB)
+    plain = (64 if cuda else 180) * hidden * layers
     checkpointed = 4 * hidden * layers + plain // layers  # layers' inputs, one layer's activations
     # per parameter and shard: fp32 weights, grads, AdamW m, v: 16 B (LoRA's base: 4); reference: 4;
     # CUDA: + 2 B, autocast's bf16 copy of each weight, kept for backward (FSDP2 gathers in turn)

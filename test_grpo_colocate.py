@@ -736,7 +736,7 @@ GiB = 1 << 30
 def test_memory_plan(monkeypatch):
     """memory_plan's rules: per parameter 16 bytes (+4 for beta's reference; LoRA 4; / world
     under FSDP2; + 2 on CUDA without FSDP2: autocast's bf16 copies), room = 0.85 x the GPU - those,
-    80 x hidden x layers bytes per token (checkpointed: 4 x hidden x layers + 80 x hidden),
+    64 x hidden x layers bytes per token (checkpointed: 4 x hidden x layers + 64 x hidden),
     checkpointing where your budget, or 4,096 tokens, would not fit; a CPU plans in its share of
     the RAM beside an engine that stays awake."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))  # an 80 GiB GPU
@@ -746,33 +746,33 @@ def test_memory_plan(monkeypatch):
         p = gc.memory_plan(gc.Config(**flags), env, shape, params)
         return p.token_budget, p.checkpointing, p.sleep
     # room = 0.85 x 80 GiB - 18 x 1,543,714,304 = 73,014,444,032 - 27,786,857,472 = 45,227,586,560 bytes;
-    # 80 x 1536 x 28 = 3,440,640 bytes per token: 13,145 tokens. An engine of 0 bytes leaves as much
+    # 64 x 1536 x 28 = 2,752,512 bytes per token: 16,431 tokens. An engine of 0 bytes leaves as much
     # room awake: as many micro-batches, so the engine stays awake
     room = 0.85 * 80 * GiB - 18 * N15
-    assert plan() == (int(room // (80 * 1536 * 28)), False, False) == (13145, False, False)
-    assert plan(max_tokens_per_microbatch=8192) == (8192, False, False)  # 28.2 GB fit
-    assert plan(max_tokens_per_microbatch=16384) == (16384, True, False)  # 56.4 GB do not
+    assert plan() == (int(room // (64 * 1536 * 28)), False, False) == (16431, False, False)
+    assert plan(max_tokens_per_microbatch=8192) == (8192, False, False)  # 22.5 GB fit
+    assert plan(max_tokens_per_microbatch=20480) == (20480, True, False)  # 56.4 GB do not
     # + an fp32 reference, 22 bytes per parameter: 73,014,444,032 - 33,961,714,688 = 39,052,729,344 bytes
-    assert plan(beta=0.04) == (11350, False, False)
-    # LoRA, 6 bytes per parameter (the frozen fp32 base, its bf16 copies): 63,752,158,208 bytes // 3,440,640
-    assert plan(use_peft=True) == (18529, False, False)
-    # an engine of 8 GiB: 36,637,651,968 bytes beside it, 10,648 tokens. A batch of 128 x (256 + 256)
-    # = 65,536 tokens takes ceil(65,536 / 10,648) = 7 micro-batches awake, ceil(65,536 / 13,145) = 5
-    # asleep: two more (0.10 s) cost less than a sleep and a wake (0.15 s), so auto stays awake
+    assert plan(beta=0.04) == (14188, False, False)
+    # LoRA, 6 bytes per parameter (the frozen fp32 base, its bf16 copies): 63,752,158,208 bytes // 2,752,512
+    assert plan(use_peft=True) == (23161, False, False)
+    # an engine of 8 GiB: 36,637,651,968 bytes beside it, 13,310 tokens. A batch of 128 x (256 + 256)
+    # = 65,536 tokens takes ceil(65,536 / 13,310) = 5 micro-batches awake, ceil(65,536 / 16,431) = 4
+    # asleep: one more (0.05 s) costs less than a sleep and a wake (0.15 s), so auto stays awake
     gpu.engine_bytes = 8 * GiB
-    assert plan() == (10648, False, False)
-    assert plan(vllm_enable_sleep_mode="true") == (13145, False, True)
-    assert plan(vllm_enable_sleep_mode="false") == (10648, False, False)  # awake: the room beside it
+    assert plan() == (13310, False, False)
+    assert plan(vllm_enable_sleep_mode="true") == (16431, False, True)
+    assert plan(vllm_enable_sleep_mode="false") == (13310, False, False)  # awake: the room beside it
     assert plan(vllm_enable_sleep_mode="false", gradient_checkpointing="false",
-                max_tokens_per_microbatch=16384) == (16384, False, False)
+                max_tokens_per_microbatch=20480) == (20480, False, False)
     # the Qwen2.5-7B shape, FSDP2 over 2 ranks: 16 x 7,615,616,512 / 2 = 60.9 GB leave 12,089,511,936
-    # bytes, < 4,096 x 80 x 3584 x 28 = 32.9 GB: checkpointed, 4 x 3584 x 28 + 80 x 3584 = 688,128
-    # bytes per token: 17,568 tokens
+    # bytes, < 4,096 x 64 x 3584 x 28 = 26.3 GB: checkpointed, 4 x 3584 x 28 + 64 x 3584 = 630,784
+    # bytes per token: 19,165 tokens
     qwen7, n7 = SimpleNamespace(hidden_size=3584, num_hidden_layers=28), 7_615_616_512
     fsdp2 = cpu_env(device=SimpleNamespace(type="cuda"), world=2, local_world=2, dtype=torch.bfloat16)
     room7 = 0.85 * 80 * GiB - 8 * n7
-    assert plan(fsdp2, qwen7, n7, fsdp=True) == (int(room7 // (4 * 3584 * 28 + 80 * 3584)), True, False)
-    assert plan(fsdp2, qwen7, n7, fsdp=True)[0] == 17568
+    assert plan(fsdp2, qwen7, n7, fsdp=True) == (int(room7 // (4 * 3584 * 28 + 64 * 3584)), True, False)
+    assert plan(fsdp2, qwen7, n7, fsdp=True)[0] == 19165
     # on one GPU the 7B's 122 GB of weights, gradients and AdamW leave no room: refused by flag
     with pytest.raises(gc.ConfigError, match="^--max_completion_length: a sequence of 512 tokens needs"):
         plan(gpu, qwen7, n7)
@@ -804,9 +804,9 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
     engine = int(0.3 * 80 * GiB) + 2 * GiB  # setup_env's engine_bytes: 26 GiB
     env = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, engine_bytes=engine)
-    per_token = 80 * 896 * 24  # 1,720,320 bytes
-    asleep = 0.85 * 80 * GiB - 18 * n05  # 64,121,854,208 bytes: 37,273 tokens
-    awake = asleep - engine  # 36,204,566,784 bytes: 21,045 tokens
+    per_token = 64 * 896 * 24  # 1,376,256 bytes
+    asleep = 0.85 * 80 * GiB - 18 * n05  # 64,121,854,208 bytes: 46,591 tokens
+    awake = asleep - engine  # 36,204,566,784 bytes: 26,306 tokens
 
     def plan(shape=qwen05, params=n05, **flags):  # (tokens, checkpointing, sleep, why)
         cfg = gc.Config(**{"num_generations": 8, "gradient_accumulation_steps": 1,
@@ -814,44 +814,44 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
         p = gc.memory_plan(cfg, env, shape, params)
         return p.token_budget, p.checkpointing, p.sleep, p.why
     # 8 completions, <= 8 x 1,280 = 10,240 tokens: 1 micro-batch awake as asleep, so it stays awake
-    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (21045, False, False)
-    assert 18 * n05 + 21045 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
-    # 48 completions: 61,440 tokens, ceil(61,440 / 21,045) = 3 micro-batches awake, ceil(61,440 /
-    # 37,273) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
+    assert plan(per_device_train_batch_size=8)[:3] == (int(awake // per_token), False, False) == (26306, False, False)
+    assert 18 * n05 + 26306 * per_token + engine <= 0.85 * 80 * GiB  # fits, engine awake
+    # 48 completions: 61,440 tokens, ceil(61,440 / 26,306) = 3 micro-batches awake, ceil(61,440 /
+    # 46,591) = 2 asleep: a micro-batch more (0.05 s) costs less than a sleep and a wake (0.15 s)
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=48)
-    assert (tokens, checkpointing, sleep) == (21045, False, False)
+    assert (tokens, checkpointing, sleep) == (26306, False, False)
     assert "off (auto: 3 micro-batches awake, 2 asleep: ~0.05s < a sleep and a wake" in why
-    # 160 completions: 204,800 tokens, 10 micro-batches awake, 6 asleep: 4 more (0.20 s) cost more
-    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=160)
-    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (37273, False, True)
+    # 192 completions: 245,760 tokens, 10 micro-batches awake, 6 asleep: 4 more (0.20 s) cost more
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=192)
+    assert (tokens, checkpointing, sleep) == (int(asleep // per_token), False, True) == (46591, False, True)
     assert "awake would cut 10 micro-batches, not 6" in why
-    # a budget of yours that fits only while the engine sleeps (30,000 x 1.72 MB = 51.6 GB > 36.2 GB)
+    # a budget of yours that fits only while the engine sleeps (30,000 x 1.38 MB = 41.3 GB > 36.2 GB)
     # keeps it asleep; so does "true"
     assert plan(per_device_train_batch_size=8, max_tokens_per_microbatch=30_000)[:3] == (30_000, False, True)
-    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (37273, False, True)
+    assert plan(per_device_train_batch_size=8, vllm_enable_sleep_mode="true")[:3] == (46591, False, True)
     # the Qwen2.5-1.5B shape at the defaults, 128 x (256 + 256) = 65,536 tokens: 45,227,586,560 -
-    # 27,917,287,424 = 17,310,299,136 bytes beside the engine, 5,031 tokens, 14 micro-batches; 5 asleep
-    # (13,145 tokens): 9 more (0.45 s) cost more than a sleep and a wake, so it sleeps (as on an H100)
+    # 27,917,287,424 = 17,310,299,136 bytes beside the engine, 6,288 tokens, 11 micro-batches; 4 asleep
+    # (16,431 tokens): 7 more (0.35 s) cost more than a sleep and a wake, so it sleeps (as on an H100)
     p = gc.memory_plan(gc.Config(), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (13145, False, True)
-    assert "awake would cut 14 micro-batches, not 5" in p.why
-    # --vllm_enable_sleep_mode false: the room beside the engine, however small: 5,031 tokens (4,096
-    # fit). An engine of 0.4 x 80 GiB + 2 GiB leaves 8,720,364,544 bytes, under 4,096 x 3,440,640 =
-    # 14,092,861,440: checkpointed, 4 x 1536 x 28 + 80 x 1536 = 294,912 bytes per token, 29,569 tokens
+    assert (p.token_budget, p.checkpointing, p.sleep) == (16431, False, True)
+    assert "awake would cut 11 micro-batches, not 4" in p.why
+    # --vllm_enable_sleep_mode false: the room beside the engine, however small: 6,288 tokens (4,096
+    # fit). An engine of 0.4 x 80 GiB + 2 GiB leaves 8,720,364,544 bytes, under 4,096 x 2,752,512 =
+    # 11,274,289,152: checkpointed, 4 x 1536 x 28 + 64 x 1536 = 270,336 bytes per token, 32,257 tokens
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (5031, False, False)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (6288, False, False)
     env.engine_bytes = int(0.4 * 80 * GiB) + 2 * GiB
     p = gc.memory_plan(gc.Config(vllm_enable_sleep_mode="false"), env, QWEN15, N15)
-    assert (p.token_budget, p.checkpointing, p.sleep) == (29569, True, False)
+    assert (p.token_budget, p.checkpointing, p.sleep) == (32257, True, False)
     env.engine_bytes = engine
     # four DDP ranks on the host: their sleeps and wakes take turns in the driver (4 x 0.15 s), so the
-    # 4 micro-batches more of 160 completions (0.20 s) are the cheaper choice: awake
+    # 4 micro-batches more of 192 completions (0.20 s) are the cheaper choice: awake
     env.local_world = 4
-    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=160)
-    assert (tokens, checkpointing, sleep) == (21045, False, False)
+    tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=192)
+    assert (tokens, checkpointing, sleep) == (26306, False, False)
     assert "off (auto: 10 micro-batches awake, 6 asleep: ~0.20s < a sleep and a wake, ~0.60s)" in why
     # FSDP2 keeps one rank's price (its extra micro-batches all-gather and reduce-scatter the model)
-    assert plan(per_device_train_batch_size=160, fsdp=True)[2] is True
+    assert plan(per_device_train_batch_size=192, fsdp=True)[2] is True
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
@@ -3450,16 +3450,16 @@ def test_parity_check_catches_a_stale_engine(tmp_path):
 
 def test_memory_plan_floors_at_the_longest_sequence(monkeypatch):
     """Issue 34 item 1: with 16,384-token completions at 1.5B on 80 GiB, one sequence of 16,640
-    tokens needs 57.3 GB of activations without checkpointing, more than the 45.2 GB of room: the
+    tokens needs 45.8 GB of activations without checkpointing, more than the 45.2 GB of room: the
     plan checkpoints (the floor is the longest sequence, not 4,096 tokens) instead of planning a
     16,896-token budget past memory."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     gpu = cpu_env(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)
     room = 0.85 * 80 * GiB - 18 * N15  # 45,227,586,560 bytes
     plan = gc.memory_plan(gc.Config(max_completion_length=16384), gpu, QWEN15, N15)
-    per_token = 4 * 1536 * 28 + 80 * 1536  # checkpointed: 294,912 bytes
-    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 153_359
-    assert plan.token_budget * per_token <= room and 16640 * 80 * 1536 * 28 > room
+    per_token = 4 * 1536 * 28 + 64 * 1536  # checkpointed: 270,336 bytes
+    assert plan.checkpointing and plan.token_budget == int(room // per_token) == 167_301
+    assert plan.token_budget * per_token <= room and 16640 * 64 * 1536 * 28 > room
 
 
 def test_filler_groups_do_not_count_as_sequences(monkeypatch):
