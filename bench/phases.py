@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 
@@ -204,7 +205,7 @@ def instrument():
     LLM.wake_up = wrap(LLM.wake_up, lambda a, k: "wake_" + "_".join(k.get("tags") or ["all"]))
     torch.cuda.empty_cache = wrap(torch.cuda.empty_cache, "empty_cache")
     if os.environ.get("PHASES_GC_FREEZE") == "0":  # the trainer's gc.collect() and gc.freeze() after step 1: none
-        gcol.gc = type("NoFreeze", (), {"collect": staticmethod(lambda: 0), "freeze": staticmethod(lambda: None)})
+        gcol.gc = SimpleNamespace(collect=lambda: 0, freeze=lambda: None)
     gc_start = {}
 
     def on_gc(phase, info):
