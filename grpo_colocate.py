@@ -204,9 +204,9 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     positions, which seed them; None: the eval, one greedy completion per prompt (samples [D])."""
     per_prompt = 1 if positions is None else cfg.num_generations
     params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
-    seeds = None  # position i: base + G i, base = derive_seed(seed, "rollout") (generate's doc)
-    if positions is not None:
-        seeds = [derive_seed(cfg.seed, "rollout") + cfg.num_generations * i for i in positions]
+    # position i's seed: base + G i, base = derive_seed(seed, "rollout") (generate's doc); eval: none
+    base = derive_seed(cfg.seed, "rollout")
+    seeds = None if positions is None else [base + cfg.num_generations * i for i in positions]
     samples = []
     for out in generate(llm, env, prompt_ids, params, seeds):
         samples += [add_turn(c) for c in out.outputs]
@@ -336,10 +336,9 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: std 0 (or < 2 scored)
 
-    # group-relative advantages, over the group's std by default (compute_advantages)
-    all_rewards = None
-    if cfg.scale_rewards == "batch":  # Variant: the std of every rank's rewards
-        all_rewards = every_rank_rewards(rewards, filler, env)  # [world N]
+    # group-relative advantages, over the group's std by default (compute_advantages); Variant
+    # (--scale_rewards batch): over the std of every rank's rewards, all_rewards [world N]
+    all_rewards = every_rank_rewards(rewards, filler, env) if cfg.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, cfg.scale_rewards, all_rewards)  # [N]
 
     # model_mask [N, T]: 1 on the tokens the model wrote (left-aligned), 0 on tool results and
@@ -397,8 +396,7 @@ def pick_groups(rewards_per_func: torch.Tensor, cfg: Config):
     the varied groups first, in order, then "fillers" that did not vary (no loss, no count), P
     in all. varied, logged always: the criterion reward (one function, not the sum) varies."""
     G = cfg.num_generations
-    # nanstd is NaN or -0.0 for a group with fewer than 2 scored completions, and NaN > 1e-8 is
-    # False: such a group does not vary
+    # nanstd is NaN or -0.0 with fewer than 2 scored completions; NaN > 1e-8 is False: no variation
     criterion = cfg.reward_funcs.index(cfg.dynamic_sampling_reward or cfg.reward_funcs[0])
     varied = nanstd(rewards_per_func[:, criterion].view(-1, G)).squeeze(1) > 1e-8  # [D]
     groups = list(range(len(varied)))
@@ -832,7 +830,7 @@ class ColocatedEngine:
        trainer's cached blocks go back to the driver, for vLLM to map;
     2. wake the weights;
     3. push: push_weights hands the engine full_weights, each parameter whole (FSDP2: gathered
-       by full_tensor; LoRA: merged), a bucket at a time (--weight_push_bucket_mb: a bucket is at
+       a layer at a time; LoRA: merged), a bucket at a time (--weight_push_bucket_mb: a bucket is at
        most that plus one tensor), then resets the prefix cache (its blocks hold the old keys);
     4. wake the KV cache.
 
@@ -891,7 +889,7 @@ class ColocatedEngine:
 
 def push_weights(llm, lm: nn.Module, env, bucket_mb: int):
     """The trainer's weights into the engine, which fuses and shards them."""
-    weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20)
+    weights = full_weights(lm, env.dtype, env.device, bucket_mb << 20, by_layer=True)
     if env.push_via == "load_weights":  # CUDA: straight into the model's weight loaders
         llm.apply_model(lambda model: model.load_weights(weights))
     else:  # CPU: the backend pre-packs linear layers; reload_weights re-runs that processing...
@@ -902,15 +900,21 @@ def push_weights(llm, lm: nn.Module, env, bucket_mb: int):
     llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
 
-def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int):
+def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int, by_layer=False):
     """(HF name, full tensor) per parameter, one order on every rank; LoRA: W + (alpha / r) B A.
     Made a bucket ahead, handed over and dropped one by one (a consumer that keeps the tensors
     until it is done, as reload_weights may, holds more: up to all of them).
-    Under FSDP2 each full_tensor is a collective: every rank must walk the whole generator."""
+    FSDP2: each gather (by_layer: a layer's weights at once, unshard) is a collective: walk it all."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
-    bucket = []
+    layers = {f"{n}.": m for n, m in lm.named_modules() if by_layer and isinstance(m, FSDPModule)}
+    bucket, whole = [], {}  # whole: a gathered layer's weights not yet in the bucket
     for i, (name, p) in enumerate(params):
-        tensor = full_tensor(p, dtype, device)
+        prefix = next((k for k in layers if name.startswith(k)), None)
+        if prefix and name not in whole:  # a gathered layer's first weight: gather it whole
+            layers[prefix].unshard()  # its parameters whole (FSDP2's compute dtype) until reshard()
+            whole = {prefix + n: w.detach().to(dtype, copy=True) for n, w in layers[prefix].named_parameters()}
+            layers[prefix].reshard()
+        tensor = whole.pop(name) if name in whole else full_tensor(p, dtype, device)
         if name.endswith(".base_layer.weight"):  # Variant (--use_peft): W of an adapter, merged
             layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
             A = full_tensor(layer.lora_A["default"].weight, torch.float32, device)  # [r, in]

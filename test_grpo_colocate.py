@@ -2208,6 +2208,15 @@ def fsdp_vs_ddp_ranks(model, out):
     w_ddp = weights(ddp[0])
     w_fsdp = weights(fsdp[0])
     result["max_weight_diff"] = max_diff(w_ddp, w_fsdp)
+    # the push's walk (by_layer): each layer's shards gathered once, all at its first weight; the
+    # same tensors (the bucket, 1 MB, holds them all: copies, not the layers' freed gathers)
+    unshard = mock.patch.object(gc.FSDPModule, "unshard", autospec=True, side_effect=gc.FSDPModule.unshard)
+    with unshard as unshards:
+        lm = gc.unwrap(fsdp[0]).lm
+        walk = dict(gc.full_weights(lm, torch.float32, env.device, 1 << 20, by_layer=True))
+    result["by_layer_diff"] = max_diff(walk, w_fsdp) if walk.keys() == w_fsdp.keys() else None
+    result["unshards"] = unshards.call_count
+    result["sharded_after_push"] = all(isinstance(p, gc.DTensor) for p in fsdp[0].parameters())
     result["min_weight_move"] = min((w_ddp[n] - base[n]).abs().max().item() for n in w_ddp)
     # sharded -> HF weights + DCP
     from transformers import AutoTokenizer
@@ -2252,6 +2261,8 @@ def test_fsdp2_matches_ddp_and_resumes_from_its_checkpoint(tiny_model, tmp_path)
             assert close(ddp[key], fsdp[key], rtol, atol), (key, ddp[key], fsdp[key])
     assert r["min_weight_move"] > 1e-4  # every tensor was updated (lr 1e-3)...
     assert r["max_weight_diff"] < 1e-5  # ...and identically by both
+    # the push gathers each of the 2 layers in one all-gather: the same weights, sharded again after
+    assert r["by_layer_diff"] == 0.0 and r["unshards"] == 2 and r["sharded_after_push"]
     assert r["resumed_weight_diff"] == 0.0  # the checkpoint holds the exact fp32 masters
     assert r["lr"][0] == r["lr"][1] < 1e-3  # the linear schedule's rate at step 3, restored...
     assert r["lr_after_step3"][0] == r["lr_after_step3"][1] < r["lr"][0]  # ...and the schedule goes on from it
