@@ -204,8 +204,7 @@ def rollout(llm, cfg: Config, env, tokenizer, prompt_ids: list[list[int]], posit
     positions, which seed them; None: the eval, one greedy completion per prompt (samples [D])."""
     per_prompt = 1 if positions is None else cfg.num_generations
     params = sampling_params(cfg, positions is None, cfg.vllm_importance_sampling_correction)
-    # position i's seed: base + G i, base = derive_seed(seed, "rollout") (generate's doc); eval: none
-    base = derive_seed(cfg.seed, "rollout")
+    base = derive_seed(cfg.seed, "rollout")  # position i's seed: base + G i (generate's doc)
     seeds = None if positions is None else [base + cfg.num_generations * i for i in positions]
     samples = []
     for out in generate(llm, env, prompt_ids, params, seeds):
@@ -336,8 +335,7 @@ def make_batch(cfg, env, tokenizer, drawn_rows, drawn_samples, rewards_per_func,
     rewards[batch_rewards_per_func.isnan().all(1)] = math.nan
     zero_std = ~(nanstd(rewards.view(-1, G)) > 1e-8).squeeze(1)  # [P]: std 0 (or < 2 scored)
 
-    # group-relative advantages, over the group's std by default (compute_advantages); Variant
-    # (--scale_rewards batch): over the std of every rank's rewards, all_rewards [world N]
+    # group-relative advantages (compute_advantages); Variant (--scale_rewards batch): all ranks' std
     all_rewards = every_rank_rewards(rewards, filler, env) if cfg.scale_rewards == "batch" else None
     advantages = compute_advantages(rewards, G, cfg.scale_rewards, all_rewards)  # [N]
 
@@ -916,10 +914,10 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int, by_layer=False
             layers[prefix].reshard()
         tensor = whole.pop(name) if name in whole else full_tensor(p, dtype, device)
         if name.endswith(".base_layer.weight"):  # Variant (--use_peft): W of an adapter, merged
-            layer = lm.get_submodule(name.removesuffix(".base_layer.weight"))
-            A = full_tensor(layer.lora_A["default"].weight, torch.float32, device)  # [r, in]
-            B = full_tensor(layer.lora_B["default"].weight, torch.float32, device)  # [out, r]
-            tensor = (tensor.float() + layer.scaling["default"] * (B @ A)).to(dtype)
+            adapted = lm.get_submodule(name.removesuffix(".base_layer.weight"))
+            A = full_tensor(adapted.lora_A["default"].weight, torch.float32, device)  # [r, in]
+            B = full_tensor(adapted.lora_B["default"].weight, torch.float32, device)  # [out, r]
+            tensor = (tensor.float() + adapted.scaling["default"] * (B @ A)).to(dtype)
         # peft's base_model.model.<HF name>, with .base_layer inside the adapted modules
         bucket.append((name.removeprefix("base_model.model.").replace(".base_layer.", "."), tensor))
         if sum(t.nbytes for _, t in bucket) >= bucket_bytes or i == len(params) - 1:
@@ -1876,7 +1874,7 @@ def load_optimizer(path: str, policy, optimizer):
 
 # ---- E. The memory plan: the token budget, activation checkpointing and sleep mode, at start ----
 # What a step pays (BENCHMARKS.md: "Sleep mode, decided by time"; "Four GPUs: the driver, ...")
-SLEEP_WAKE_SECONDS = 0.15  # a sleep and wakes, x DDP ranks per host (1: 0.13-0.29 s, 4: 0.58-0.73)
+SLEEP_WAKE_SECONDS = 0.15  # a sleep and wakes, x ranks per host (1: 0.13-0.29 s, 4: 0.36-0.73)
 MICRO_BATCH_SECONDS = 0.05  # a micro-batch more: 0.03-0.05 s at 135M, 0.01-0.05 s at 1.5B
 
 
@@ -1926,9 +1924,8 @@ def memory_plan(cfg: Config, env, model_config, num_params: int) -> SimpleNamesp
         asleep_cuts = math.ceil(batch_tokens / budget(asleep_room))
         awake_cuts = math.ceil(batch_tokens / max(budget(awake_room), 1))
         cost = (awake_cuts - asleep_cuts) * MICRO_BATCH_SECONDS
-        # a sleep and wakes cost more with more ranks on the host (they free and map memory in turn,
-        # measured under DDP); FSDP2 keeps one rank's price (its extra micro-batches gather more)
-        sleep_cost = SLEEP_WAKE_SECONDS * (1 if cfg.fsdp else env.local_world)
+        # a sleep and wakes cost more with more ranks on the host (they free and map memory in turn)
+        sleep_cost = SLEEP_WAKE_SECONDS * env.local_world
         sleep = awake_room < floor * per_token or cost >= sleep_cost
         why += f" (auto: awake would cut {awake_cuts} micro-batches, not {asleep_cuts})"
         if not sleep:
@@ -2338,11 +2335,10 @@ def check_inputs(argv=None):
         num_params = check_model(cfg, model_config)
         data = prepare_data(cfg)
         rows = rows_digest(data[1])  # the training rows, which a data position counts in
-        state = None
-        if cfg.resume_from_checkpoint:
-            state = read_checkpoint_state(cfg.resume_from_checkpoint)
-            need(state.get("rows", rows) == rows, "dataset", f"the training rows ({rows}) are not "
-                 f"the checkpoint's ({state['rows']}): resume with its data and chat template")
+        state = read_checkpoint_state(cfg.resume_from_checkpoint) if cfg.resume_from_checkpoint else None
+        if state and state.get("rows", rows) != rows:
+            need(False, "dataset", f"the training rows ({rows}) are not the checkpoint's "
+                 f"({state['rows']}): resume with its data and chat template")
 
         # the memory plan; what every rank must share (agree_at_start): its flags, but the paths
         # each node may name its own way, and the facts of its files, device, versions and plan

@@ -798,7 +798,7 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     """Sleep mode auto decides from memory_plan's planned peak (parameters + a full token budget),
     never from a short first step: the engine stays awake only where 4,096 tokens (or your budget)
     fit beside it AND the micro-batches the smaller budget adds cost less than a sleep and a wake
-    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS per DDP rank on the host); the budget is
+    (MICRO_BATCH_SECONDS each against SLEEP_WAKE_SECONDS per rank on the host); the budget is
     then sized for the room beside it. 0.5B on 80 GiB."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * GiB))
     qwen05, n05 = SimpleNamespace(hidden_size=896, num_hidden_layers=24), 494_032_768  # 0.5B
@@ -850,8 +850,8 @@ def test_auto_sleep_from_the_planned_peak(monkeypatch):
     tokens, checkpointing, sleep, why = plan(per_device_train_batch_size=192)
     assert (tokens, checkpointing, sleep) == (26306, False, False)
     assert "off (auto: 10 micro-batches awake, 6 asleep: ~0.20s < a sleep and a wake, ~0.60s)" in why
-    # FSDP2 keeps one rank's price (its extra micro-batches all-gather and reduce-scatter the model)
-    assert plan(per_device_train_batch_size=192, fsdp=True)[2] is True
+    # FSDP2 too (on 4 H100s awake was 0.5 s a step faster: 2 micro-batches more cost less than the sleep)
+    assert "off (auto: 10 micro-batches awake, 6 asleep" in plan(per_device_train_batch_size=192, fsdp=True)[3]
 
 
 def test_micro_batch_packs_rows_and_cuts_columns():
