@@ -459,6 +459,7 @@ PY
 s21)  # four GPUs (BENCHMARKS.md "Four GPUs"): STEPS of
   # ec     bench/empty_cache.py (torch alone): empty_cache after a DDP step vs alone; S21_EC lines "MODE NPROC ENV|-"
   # make   the 1.5B shape
+  # gather bench/gather_ab.py on 4 GPUs: the push's FSDP2 gather, one full_tensor a parameter vs one all-gather a layer
   # scale  the trainer under bench/phases.py as s15 scale; S21_SETUPS="N NAME ENV|- FLAGS;..." (ENV: A=1,B=2)
   shift; D=/tmp/s21; mkdir -p $D
   staged_wheels pyspy /tmp/pyspy  # its own folder: --target would not add bin/py-spy beside /tmp/site's bin/
@@ -487,6 +488,9 @@ ddp 4 NCCL_CUMEM_ENABLE=0
 ddp:200 4 -}" ;;
     make)
       [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 | tee -a $T ;;
+    gather)
+      timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node 4 bench/gather_ab.py "$M15" --repeat 5 \
+        > $D/gather_ab.log 2>&1; grep "^gather_ab" $D/gather_ab.log | tee -a $T ;;
     scale)
       IFS=';' read -ra setups <<< "${S21_SETUPS:-1 one -;4 ddp -}"
       for setup in "${setups[@]}"; do phases_setup $D $T ${S21_DEADLINE:-570} 220 "$setup"; done ;;
