@@ -902,7 +902,7 @@ def full_weights(lm: nn.Module, dtype, device, bucket_bytes: int, by_layer=False
     """(HF name, full tensor) per parameter, one order on every rank; LoRA: W + (alpha / r) B A.
     Made a bucket ahead, handed over and dropped one by one (a consumer that keeps the tensors
     until it is done, as reload_weights may, holds more: up to all of them).
-    FSDP2: each gather (by_layer: a layer's weights at once, unshard) is a collective: walk it all."""
+    FSDP2: each gather (by_layer: a layer at once, unshard) is a collective: all ranks walk all."""
     params = [(name, p) for name, p in lm.named_parameters() if ".lora_" not in name]
     layers = {f"{n}.": m for n, m in lm.named_modules() if by_layer and isinstance(m, FSDPModule)}
     bucket, whole = [], {}  # whole: a gathered layer's weights not yet in the bucket
