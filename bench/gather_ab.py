@@ -1,13 +1,12 @@
 """gather_ab.py: the push's gather under FSDP2, one full_tensor a parameter against one all-gather a layer.
 
-    torchrun --nproc_per_node 4 bench/gather_ab.py MODEL_DIR [--repeat 5]
+    torchrun --nproc_per_node 4 bench/gather_ab.py MODEL_DIR [REPEAT, default 5]
 
 The trainer's own FSDP2 policy (wrap_policy, fp32 shards, bf16 compute) on every rank; each way walks
 full_weights in bf16 as the push does (the engine left out), alternating A, B, A, B, ...; rank 0 prints the median
 seconds of each and the largest difference between the two walks' tensors, which must be 0.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -19,15 +18,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import grpo_colocate as gc  # noqa: E402
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("model")
-    p.add_argument("--repeat", type=int, default=5)
-    a = p.parse_args()
-    cfg = gc.parse_args(["--model", a.model, "--fsdp", "--output_dir", "/tmp/gather_ab"])
+def main(model: str, repeat: int = 5):
+    cfg = gc.parse_args(["--model", model, "--fsdp", "--output_dir", "/tmp/gather_ab"])
     env = gc.setup_env(cfg)
     gc.setup_distributed(cfg, env)
-    lm = gc.load_lm(a.model, "cpu", env.attention, meta=not env.is_main)
+    lm = gc.load_lm(model, "cpu", env.attention, meta=not env.is_main)
     policy = gc.wrap_policy(lm, env, cfg, checkpointing=False)
     lm = gc.unwrap(policy).lm
 
@@ -39,7 +34,7 @@ def main():
         return time.perf_counter() - start, tensors
 
     times = {False: [], True: []}
-    for _ in range(a.repeat + 1):  # the first of each: a warm-up
+    for _ in range(repeat + 1):  # the first of each: a warm-up
         for by_layer in (False, True):
             seconds, tensors = walk(by_layer)
             times[by_layer].append(seconds)
@@ -56,4 +51,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], *map(int, sys.argv[2:3]))

@@ -489,7 +489,7 @@ ddp:200 4 -}" ;;
     make)
       [ -f "$M15/config.json" ] || python3 bench/bench.py make-model qwen2.5-1.5b "$M15" "$SMOL" 2>&1 | tail -1 | tee -a $T ;;
     gather)
-      timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node 4 bench/gather_ab.py "$M15" --repeat 5 \
+      timeout 120 python3 -m torch.distributed.run --standalone --nproc_per_node 4 bench/gather_ab.py "$M15" 5 \
         > $D/gather_ab.log 2>&1; grep "^gather_ab" $D/gather_ab.log | tee -a $T ;;
     scale)
       IFS=';' read -ra setups <<< "${S21_SETUPS:-1 one -;4 ddp -}"
