@@ -19,6 +19,10 @@ PHASES_DDP='{"bucket_cap_mb": 100}' adds keyword arguments to the trainer's DDP;
 fastest rollout's functions against the slowest's (seconds of samples in each, self and inclusive): which host work
 grows when a rollout is slow. The trainer freezes Python's objects after its first step (gc.freeze(): full
 collections then skip them); PHASES_GC_FREEZE=0 turns that off, to see what the gc2 lines cost without it.
+PHASES_KV=1 sizes the engine to its rollout instead of its --vllm_gpu_memory_utilization share: vLLM's
+kv_cache_memory_bytes set to one rollout's KV cache (max_num_seqs x max_model_len tokens, as the trainer sizes the CPU
+engine's; tp 1 only), and the memory plan's engine_bytes to its bf16 weights + that + 2 GiB (activations, CUDA graphs)
++ the usual 2 GiB: the room, micro-batches and sleep choice an engine sized so would leave the trainer.
 """
 import functools
 import gc
@@ -204,6 +208,16 @@ def instrument():
     LLM.sleep = wrap(LLM.sleep, "vllm_sleep")
     LLM.wake_up = wrap(LLM.wake_up, lambda a, k: "wake_" + "_".join(k.get("tags") or ["all"]))
     torch.cuda.empty_cache = wrap(torch.cuda.empty_cache, "empty_cache")
+    if os.environ.get("PHASES_KV") == "1":  # the engine sized to one rollout (the docstring)
+        import vllm
+        memory_plan, engine_class, kv = gcol.memory_plan, vllm.LLM, {}
+
+        def sized_plan(cfg, env, model_config, num_params):
+            kv["bytes"] = gcol.cpu_kv_cache_bytes(cfg, env, model_config)
+            env.engine_bytes = env.dtype.itemsize * num_params + kv["bytes"] + 2 * 2**31
+            return memory_plan(cfg, env, model_config, num_params)
+        gcol.memory_plan = sized_plan
+        vllm.LLM = lambda *args, **kwargs: engine_class(*args, **{**kwargs, "kv_cache_memory_bytes": kv["bytes"]})
     if os.environ.get("PHASES_GC_FREEZE") == "0":  # the trainer's gc.collect() and gc.freeze() after step 1: none
         gcol.gc = SimpleNamespace(collect=lambda: 0, freeze=lambda: None)
     gc_start = {}
