@@ -29,7 +29,7 @@ def main(model: str, repeat: int = 5):
     def walk(by_layer):
         gc.cuda_sync(env)
         start = time.perf_counter()
-        tensors = {name: t for name, t in gc.full_weights(lm, env.dtype, env.device, 1 << 30, by_layer)}
+        tensors = dict(gc.full_weights(lm, env.dtype, env.device, 1 << 30, by_layer))
         gc.cuda_sync(env)
         return time.perf_counter() - start, tensors
 
